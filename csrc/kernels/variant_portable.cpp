@@ -1,0 +1,10 @@
+// The portable build of the kernels; its instruction-set flags are set in CMakeLists.txt.
+#include <cmath>
+#include <type_traits>
+
+#include "kernels.hpp"
+
+#define FXSTAR_VARIANT_NAME "portable"
+namespace fxstar::portable {
+#include "kernel_body.inl"
+}  // namespace fxstar::portable

@@ -1,0 +1,112 @@
+// fxstar._C: the compiled core. It works on raw buffers and never links libtorch, so it builds
+// fast and does not depend on torch's ABI.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "arena.hpp"
+#include "cpu_adam.hpp"
+#include "host_buffer.hpp"
+#include "kernels/dispatch.hpp"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace {
+
+py::dict stats_dict(const fxstar::ArenaStats& s) {
+  py::dict d;
+  d["capacity"] = s.capacity;
+  d["alignment"] = s.alignment;
+  d["in_use"] = s.in_use;
+  d["peak_in_use"] = s.peak_in_use;
+  d["free_bytes"] = s.free_bytes;
+  d["largest_free"] = s.largest_free;
+  d["fragmentation"] = s.fragmentation;
+  d["live_blocks"] = s.live_blocks;
+  d["free_blocks"] = s.free_blocks;
+  d["total_allocs"] = s.total_allocs;
+  d["total_frees"] = s.total_frees;
+  d["failed_allocs"] = s.failed_allocs;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fxstar's compiled core: the arena allocator, host buffers and the CPU Adam kernels.";
+
+  // A MemoryError subclass that carries the numbers, so callers can react without parsing text.
+  static py::handle oom_type = PyErr_NewExceptionWithDoc(
+      "fxstar._C.ArenaOutOfMemory",
+      "An arena allocation did not fit. Attributes: requested, free_bytes, largest_free.",
+      PyExc_MemoryError, nullptr);
+  m.attr("ArenaOutOfMemory") = oom_type;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const fxstar::ArenaOutOfMemory& e) {
+      py::object exc = py::reinterpret_borrow<py::object>(oom_type)(e.what());
+      exc.attr("requested") = e.requested;
+      exc.attr("free_bytes") = e.free_bytes;
+      exc.attr("largest_free") = e.largest_free;
+      PyErr_SetObject(oom_type.ptr(), exc.ptr());
+    }
+  });
+
+  py::class_<fxstar::Arena>(m, "Arena",
+                            "Best-fit offset allocator with coalescing over a fixed capacity.")
+      .def(py::init<uint64_t, uint64_t>(), "capacity"_a, "alignment"_a = 256)
+      .def("alloc", &fxstar::Arena::alloc, "nbytes"_a,
+           "Reserve nbytes (rounded up to the alignment); returns the offset.")
+      .def("free", &fxstar::Arena::free, "offset"_a)
+      .def("block_size", &fxstar::Arena::block_size, "offset"_a,
+           "Bytes reserved at offset (the request rounded up to the alignment).")
+      .def("owns", &fxstar::Arena::owns, "offset"_a)
+      .def("round_up", &fxstar::Arena::round_up, "nbytes"_a)
+      .def("stats", [](const fxstar::Arena& a) { return stats_dict(a.stats()); })
+      .def("reset_peak", &fxstar::Arena::reset_peak)
+      .def_property_readonly("capacity", &fxstar::Arena::capacity)
+      .def_property_readonly("alignment", &fxstar::Arena::alignment)
+      .def_property_readonly("in_use", &fxstar::Arena::in_use)
+      .def("__repr__", [](const fxstar::Arena& a) {
+        auto s = a.stats();
+        return "Arena(capacity=" + std::to_string(s.capacity) + ", in_use=" +
+               std::to_string(s.in_use) + ", live_blocks=" + std::to_string(s.live_blocks) + ")";
+      });
+
+  py::class_<fxstar::HostBuffer>(m, "HostBuffer",
+                                 "Aligned host memory, exported to torch without a copy "
+                                 "(torch.from_dlpack gives a uint8 tensor of nbytes).")
+      .def(py::init<int64_t, uint64_t, bool>(), "nbytes"_a, "alignment"_a = 0, "zero"_a = false)
+      .def(
+          "__dlpack__",
+          // Always the legacy capsule, whatever max_version asks: the protocol allows it.
+          [](const fxstar::HostBuffer& b, py::args, py::kwargs) { return b.dlpack(); })
+      .def("__dlpack_device__", [](const fxstar::HostBuffer&) { return py::make_tuple(1, 0); })
+      .def_property_readonly("nbytes", &fxstar::HostBuffer::nbytes)
+      .def_property_readonly("alignment", &fxstar::HostBuffer::alignment)
+      .def_property_readonly("address", &fxstar::HostBuffer::address)
+      .def_property_readonly("huge_pages", &fxstar::HostBuffer::huge_pages);
+
+  m.def("adam_step", &fxstar::adam_step, "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a,
+        py::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a,
+        "adamw"_a, "grad_scale"_a = 1.0, "out"_a = py::none(), "num_threads"_a,
+        "variant"_a = "",
+        "One Adam/AdamW update in a single pass over memory, in place on param, exp_avg and "
+        "exp_avg_sq (fp32). grad may be fp32, bf16 or fp16 and is multiplied by grad_scale "
+        "first; out (bf16/fp16), if given, receives the updated parameter.");
+  m.def("grad_stats", &fxstar::grad_stats, "grad"_a, py::kw_only(), "num_threads"_a,
+        "variant"_a = "",
+        "(sum of squares, all finite) of a gradient buffer in one read.");
+  m.def("adam_traffic", &fxstar::adam_traffic, "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a,
+        py::kw_only(), "num_threads"_a, "variant"_a = "",
+        "Adam's memory traffic with trivial arithmetic: the bandwidth roofline for benchmarks.");
+  m.def("available_variants", [] {
+    std::vector<std::string> names;
+    for (auto* v : fxstar::available_variants()) names.emplace_back(v->name);
+    return names;
+  });
+  m.def("selected_variant", [] { return std::string(fxstar::select_variant("").name); });
+  m.def("cpu_features", &fxstar::cpu_features);
+  m.def("format_bytes", &fxstar::format_bytes, "nbytes"_a);
+}
