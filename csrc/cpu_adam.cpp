@@ -86,10 +86,7 @@ void adam_step(py::handle param, py::handle grad, py::handle exp_avg, py::handle
     b.out = o.data;
     b.out_dtype = o.dtype;
   }
-  const AdamHyper h{static_cast<float>(lr),           static_cast<float>(beta1),
-                    static_cast<float>(beta2),        static_cast<float>(eps),
-                    static_cast<float>(weight_decay), step,
-                    adamw,                            static_cast<float>(grad_scale)};
+  const AdamHyper h{lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale};
   if (b.numel == 0) return;
   py::gil_scoped_release no_gil;
   kernels.adam(h, b, num_threads);

@@ -3,20 +3,25 @@
 // vectorises them as well as hand-written intrinsics, for every variant from one source.
 namespace {
 
+// The arithmetic follows torch.optim's single-tensor Adam operation by operation (lerp for the
+// first moment, division by the bias correction, constants rounded from double), and the
+// variants are built with -ffp-contract=off, so results stay within a few ulps of torch's.
 template <typename G, typename O>
 void adam_typed(const fxstar::AdamHyper& h, const fxstar::AdamBuffers& b, int threads) {
   using fxstar::store;
   using fxstar::to_float;
-  const double bias1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-  const double bias2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-  const float step_size = static_cast<float>(h.lr / bias1);
-  const float inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(bias2));
-  const float b1 = h.beta1, b2 = h.beta2, one_minus_b1 = 1.0f - h.beta1,
-              one_minus_b2 = 1.0f - h.beta2;
-  const float eps = h.eps, scale = h.grad_scale;
-  const float l2 = h.adamw ? 0.0f : h.weight_decay;
-  const float decay = h.adamw ? static_cast<float>(1.0 - static_cast<double>(h.lr) * h.weight_decay)
-                              : 1.0f;
+  const double beta1 = h.beta1, beta2 = h.beta2, lr = h.lr;
+  const double bias1 = 1.0 - std::pow(beta1, static_cast<double>(h.step));
+  const double bias2 = 1.0 - std::pow(beta2, static_cast<double>(h.step));
+  const float neg_step_size = static_cast<float>(-lr / bias1);
+  const float bias2_sqrt = static_cast<float>(std::sqrt(bias2));
+  const float weight1 = static_cast<float>(1.0 - beta1);  // lerp weight of the new gradient
+  const float keep1 = static_cast<float>(beta1);
+  const bool lerp_from_self = weight1 < 0.5f;  // torch's lerp picks its formula by the weight
+  const float b2 = static_cast<float>(beta2), one_minus_b2 = static_cast<float>(1.0 - beta2);
+  const float eps = static_cast<float>(h.eps), scale = static_cast<float>(h.grad_scale);
+  const float l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
+  const float decay = h.adamw ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
   float* __restrict p = b.param;
   const G* __restrict g = static_cast<const G*>(b.grad);
   float* __restrict m = b.exp_avg;
@@ -27,11 +32,14 @@ void adam_typed(const fxstar::AdamHyper& h, const fxstar::AdamBuffers& b, int th
 #pragma omp parallel for simd num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     float pi = p[i];
-    float gi = to_float(g[i]) * scale + l2 * pi;
-    float mi = b1 * m[i] + one_minus_b1 * gi;
-    float vi = b2 * v[i] + one_minus_b2 * gi * gi;
-    float denom = std::sqrt(vi) * inv_bias2_sqrt + eps;
-    pi = pi * decay - step_size * mi / denom;
+    const float gi = to_float(g[i]) * scale + l2 * pi;
+    pi = pi * decay;
+    const float mi_old = m[i];
+    const float mi = lerp_from_self ? mi_old + weight1 * (gi - mi_old)
+                                    : gi - (gi - mi_old) * keep1;
+    const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
+    const float denom = std::sqrt(vi) / bias2_sqrt + eps;
+    pi = pi + neg_step_size * mi / denom;
     m[i] = mi;
     v[i] = vi;
     p[i] = pi;
@@ -106,7 +114,7 @@ void adam_traffic(float* __restrict p, const float* __restrict g, float* __restr
     const float gi = g[i];
     p[i] = 0.5f * p[i] + gi;
     m[i] = 0.5f * m[i] + gi;
-    v[i] = 0.5f * v[i] + gi;
+    v[i] = 0.5f * v[i] + gi * gi;  // stays non-negative, like a second moment
   }
 }
 

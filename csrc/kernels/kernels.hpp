@@ -7,15 +7,17 @@
 
 namespace fxstar {
 
+// Kept in double, as Python gives them: derived constants such as 1 - beta2 must be rounded to
+// float once, from the double value, to agree with torch.
 struct AdamHyper {
-  float lr;
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
   int64_t step;
-  bool adamw;        // decoupled weight decay (AdamW) instead of L2 added to the gradient
-  float grad_scale;  // gradients are multiplied by this first (1/loss_scale x clip factor)
+  bool adamw;         // decoupled weight decay (AdamW) instead of L2 added to the gradient
+  double grad_scale;  // gradients are multiplied by this first (1/loss_scale x clip factor)
 };
 
 struct AdamBuffers {

@@ -1,0 +1,795 @@
+"""Plan: every option fxstar has, with its default, its doc, and its validation in one place.
+
+A Plan is data. It is checked when built (ranges, types, unknown keys with a suggestion), it
+round-trips through dicts and JSON, it reads PatrickStar-style configs, and it refuses, through
+`check_implemented`, to let an option whose feature does not exist yet pass silently.
+Options that only make sense as a group (optimizer, loss scaling, tiling, tensor parallel) are
+small dataclasses; wherever a group is expected a dict of its options works too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import json
+import math
+import os
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
+
+from fxstar.sizes import Share, Size, format_size, parse_size
+
+__all__ = [
+    "IMPLEMENTED",
+    "LossScaleConfig",
+    "OptimizerConfig",
+    "Plan",
+    "PlanError",
+    "TensorParallelConfig",
+    "TiledLinearConfig",
+    "mark_implemented",
+    "option_names",
+]
+
+
+class PlanError(ValueError):
+    """A plan option is unknown, of the wrong type, or out of range; the message names it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: each takes (value, dotted option name) and returns the normalised value or raises.
+
+Check = Callable[[Any, str], Any]
+
+
+def _type_error(name: str, expected: str, value: object) -> PlanError:
+    return PlanError(f"{name}: must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _bound_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    return f"{'<' if hi_open else '<='} {hi:g}"
+
+
+def _in_bounds(v: float, lo, hi, lo_open: bool, hi_open: bool) -> bool:
+    above = lo is None or (v > lo if lo_open else v >= lo)
+    below = hi is None or (v < hi if hi_open else v <= hi)
+    return above and below
+
+
+def _real(lo=None, hi=None, *, lo_open=False, hi_open=False, optional=False) -> Check:
+    def check(v, name):
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise _type_error(name, "a number" + (" or None" if optional else ""), v)
+        if math.isnan(v) or not _in_bounds(v, lo, hi, lo_open, hi_open):
+            raise PlanError(f"{name}: must be {_bound_text(lo, hi, lo_open, hi_open)}, got {v!r}")
+        return float(v)
+
+    return check
+
+
+def _integer(lo: int | None = None, hi: int | None = None, *, optional=False) -> Check:
+    def check(v, name):
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _type_error(name, "an int" + (" or None" if optional else ""), v)
+        if not _in_bounds(v, lo, hi, False, False):
+            raise PlanError(f"{name}: must be {_bound_text(lo, hi, False, False)}, got {v!r}")
+        return v
+
+    return check
+
+
+def _boolean(v, name):
+    if not isinstance(v, bool):
+        raise _type_error(name, "a bool", v)
+    return v
+
+
+def _choice(*options: str) -> Check:
+    """One of `options`, matched case-insensitively and stored in the spelling given here."""
+
+    def check(v, name):
+        if isinstance(v, str) and v.lower() in options:
+            return v.lower()
+        raise PlanError(f"{name}: must be one of {', '.join(map(repr, options))}, got {v!r}")
+
+    return check
+
+
+def _names(v, name) -> tuple[str, ...]:
+    if isinstance(v, str) or not isinstance(v, Sequence):
+        raise _type_error(name, "a list of strings", v)
+    for item in v:
+        if not isinstance(item, str) or not item:
+            raise PlanError(f"{name}: every entry must be a non-empty string, got {item!r}")
+    return tuple(v)
+
+
+def _size(v, name) -> Size | None:
+    if v is None:
+        return None
+    try:
+        return parse_size(v, name)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+
+
+def _chunk_size(v, name):
+    if v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise PlanError(f"{name}: must be 'auto' or an int > 0 (elements), got {v!r}")
+    return v
+
+
+def _checkpoint(v, name):
+    if v is None or v in ("blocks", "auto"):
+        return v
+    if isinstance(v, Sequence) and not isinstance(v, str):
+        return _names(v, name) or None
+    raise PlanError(
+        f"{name}: must be None, 'blocks', 'auto' or a list of module-name patterns, got {v!r}"
+    )
+
+
+def _betas(v, name):
+    if isinstance(v, str) or not isinstance(v, Sequence) or len(v) != 2:
+        raise _type_error(name, "a pair of numbers (beta1, beta2)", v)
+    return tuple(_real(0, 1, hi_open=True)(b, f"{name}[{i}]") for i, b in enumerate(v))
+
+
+TP_STYLES = ("column", "row", "replicate")
+
+
+def _tp_rules(v, name):
+    if not isinstance(v, Mapping):
+        raise _type_error(name, "a dict of module-name pattern -> style", v)
+    out = {}
+    for pattern, style in v.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise PlanError(f"{name}: every pattern must be a non-empty string, got {pattern!r}")
+        out[pattern] = _choice(*TP_STYLES)(style, f"{name}[{pattern!r}]")
+    return out
+
+
+def _loss_fn(v, name):
+    if v is not None and not callable(v):
+        raise _type_error(name, "None or a callable", v)
+    return v
+
+
+def _option(default: Any = MISSING, *, doc: str, check: Check, feature: str = "", factory=None):
+    """A dataclass field carrying its doc, its check and the feature that implements it."""
+    metadata = {"doc": doc, "check": check, "feature": feature}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared machinery for Plan and its groups.
+
+
+def _options(obj_or_cls) -> list[dataclasses.Field]:
+    return [f for f in fields(obj_or_cls) if "doc" in f.metadata]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def _unknown(name: str, known: Sequence[str]) -> PlanError:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" — did you mean {close[0]!r}?" if close else f"; known options: {', '.join(known)}"
+    return PlanError(f"unknown option {name!r}{hint}")
+
+
+def _check_keys(data: Mapping, known: Sequence[str], prefix: str = "") -> None:
+    for key in data:
+        if key not in known:
+            raise _unknown(f"{prefix}{key}", [f"{prefix}{k}" for k in known])
+
+
+def _validate(obj: Any, prefix: str) -> None:
+    for f in _options(obj):
+        value = f.metadata["check"](getattr(obj, f.name), prefix + f.name)
+        object.__setattr__(obj, f.name, value)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-shaped copy: groups to dicts, tuples to lists, shares to '30%'."""
+    if isinstance(value, Share):
+        return str(value)
+    if isinstance(value, _Group):
+        return {f.name: _plain(getattr(value, f.name)) for f in _options(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class _Group:
+    """Base of the option groups: validation in __post_init__, construction from a dict."""
+
+    _prefix: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        _validate(self, self._prefix + ".")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Build from a dict; missing keys take defaults, unknown keys are a PlanError."""
+        if not isinstance(data, Mapping):
+            raise _type_error(cls._prefix, f"a {cls.__name__} or a dict of its options", data)
+        _check_keys(data, [f.name for f in _options(cls)], cls._prefix + ".")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+def _group(cls: type[_Group], *, optional: bool, scalar: str | None = None) -> Check:
+    def check(v, name):
+        if v is None and optional:
+            return None
+        if isinstance(v, cls):
+            return v
+        if isinstance(v, Mapping):
+            return cls.from_dict(v)
+        if scalar and isinstance(v, int | float) and not isinstance(v, bool):
+            return cls(**{scalar: v})
+        expected = ("None, " if optional else "") + f"a {cls.__name__} or a dict of its options"
+        raise _type_error(name, expected, v)
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------
+# Option groups.
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Group):
+    """The optimizer run over the parameters (over the chunks when hybrid_adam is on)."""
+
+    _prefix: ClassVar[str] = "optimizer"
+
+    type: str = _option(
+        "adamw", check=_choice("adamw", "adam", "sgd"),
+        doc="'adamw' (decoupled weight decay), 'adam' (L2 added to the gradient) or 'sgd'.",
+    )  # fmt: skip
+    lr: float = _option(1e-3, check=_real(0, lo_open=True), doc="Learning rate.")
+    betas: tuple[float, float] = _option(
+        (0.9, 0.999), check=_betas,
+        doc="Adam's (beta1, beta2), each in [0, 1); sgd uses beta1 as momentum.",
+    )  # fmt: skip
+    eps: float = _option(1e-8, check=_real(0, lo_open=True), doc="Adam's denominator epsilon.")
+    weight_decay: float = _option(
+        0.0, check=_real(0), doc="Weight decay, applied to parameters not matched by no_decay."
+    )
+    no_decay: tuple[str, ...] = _option(
+        ("bias", "norm", "ln_", "layernorm"), check=_names,
+        doc="Parameter-name patterns exempt from weight decay. A pattern with a glob character "
+        "(* ? [) is matched with fnmatch against the full dotted name; any other pattern is a "
+        "case-insensitive substring of the name (so 'norm' matches 'ln_f.LayerNorm.weight'). "
+        "See OptimizerConfig.decays.",
+    )  # fmt: skip
+    clip_grad_norm: float | None = _option(
+        None, check=_real(0, lo_open=True, optional=True),
+        doc="Clip the global gradient L2 norm to this value before each step; None = off.",
+    )  # fmt: skip
+    accumulation_steps: int = _option(
+        1, check=_integer(1),
+        doc="Micro-batches whose gradients are summed before one optimizer step.",
+    )  # fmt: skip
+
+    def decays(self, param_name: str) -> bool:
+        """Whether weight decay applies to the parameter called `param_name`."""
+        lowered = param_name.lower()
+        for pattern in self.no_decay:
+            if any(c in pattern for c in "*?["):
+                if fnmatch.fnmatchcase(param_name, pattern):
+                    return False
+            elif pattern.lower() in lowered:
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class LossScaleConfig(_Group):
+    """Loss scaling for fp16 (ignored for fp32 and bf16); names follow DeepSpeed/PatrickStar."""
+
+    _prefix: ClassVar[str] = "loss_scale"
+
+    loss_scale: float = _option(
+        0.0, check=_real(0), doc="A fixed loss scale; 0 = dynamic scaling (the settings below)."
+    )
+    initial_scale_power: int = _option(
+        16, check=_integer(0, 64), doc="Dynamic scaling starts at 2**initial_scale_power."
+    )
+    loss_scale_window: int = _option(
+        1000, check=_integer(1), doc="Steps without overflow before the scale is doubled."
+    )
+    hysteresis: int = _option(
+        2, check=_integer(1), doc="Overflows tolerated before the scale is halved."
+    )
+    min_loss_scale: float = _option(
+        1.0, check=_real(0, lo_open=True), doc="Dynamic scaling never goes below this."
+    )
+
+
+@dataclass(frozen=True)
+class TiledLinearConfig(_Group):
+    """Split large linears into tiles so one tile's weight, not the whole, is resident."""
+
+    _prefix: ClassVar[str] = "tiled_linear"
+
+    in_splits: int = _option(1, check=_integer(1), doc="Tiles along the input features.")
+    out_splits: int = _option(1, check=_integer(1), doc="Tiles along the output features.")
+    min_size: int = _option(
+        1 << 20, check=_integer(0), doc="Only weights with at least this many elements are tiled."
+    )
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig(_Group):
+    """Megatron-style tensor parallelism over the captured graph."""
+
+    _prefix: ClassVar[str] = "tensor_parallel"
+
+    size: int = _option(1, check=_integer(1), doc="Tensor-parallel group size (ranks).")
+    sequence_parallel: bool = _option(
+        False, check=_boolean, doc="Shard activations along the sequence between TP regions."
+    )
+    async_communication: bool = _option(
+        False, check=_boolean, doc="Overlap the input all-gather with the matmul (nanotron-style)."
+    )
+    recompute_allgather: bool = _option(
+        False, check=_boolean,
+        doc="Re-gather the input in backward instead of saving the gathered activation.",
+    )  # fmt: skip
+    rules: dict[str, str] = _option(
+        check=_tp_rules, factory=dict,
+        doc="Module-name pattern (fnmatch) -> 'column' | 'row' | 'replicate'; first match wins; "
+        "empty = the pass chooses.",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan.
+
+_CHUNKS = "the chunk manager"
+_TRACER = "the memory tracer"
+_ACTIVATIONS = "the activation passes"
+_DIST = "distributed chunks"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every option of an fxstar run. Build it directly, or with from_dict/from_json.
+
+    Frozen: change it with `plan.replace(**changes)`, which validates the copy. Sizes are bytes,
+    strings like '4GiB', or a share of the model's parameter bytes like '30%' (kept as a
+    `Share` until `resolve_size`). `notes` lists what from_patrickstar read but ignored.
+    """
+
+    device_memory: Size | None = _option(
+        None, check=_size, feature=_CHUNKS,
+        doc="Budget of the compute tier, like a GPU's capacity: parameter chunks plus "
+        "activations and temporaries. None = no budget (everything fits).",
+    )  # fmt: skip
+    host_memory: Size | None = _option(
+        None, check=_size, feature=_CHUNKS,
+        doc="Budget of the host (CPU) tier for chunks and optimizer state; None = no budget.",
+    )  # fmt: skip
+    chunk_size: int | str = _option(
+        "auto", check=_chunk_size, feature=_CHUNKS,
+        doc="Elements per parameter chunk, or 'auto' to choose from the graph and budgets.",
+    )  # fmt: skip
+    precision: str = _option(
+        "fp32", check=_choice("fp32", "bf16", "fp16"), feature="mixed precision",
+        doc="Compute precision: 'fp32', 'bf16', or 'fp16' (with loss scaling); the master "
+        "weights and optimizer state stay fp32.",
+    )  # fmt: skip
+    optimizer: OptimizerConfig = _option(
+        check=_group(OptimizerConfig, optional=False), factory=OptimizerConfig,
+        feature="the optimizer", doc="Optimizer settings (an OptimizerConfig or a dict).",
+    )  # fmt: skip
+    loss_scale: LossScaleConfig = _option(
+        check=_group(LossScaleConfig, optional=False, scalar="loss_scale"),
+        factory=LossScaleConfig, feature="fp16 loss scaling",
+        doc="fp16 loss scaling (a LossScaleConfig or a dict); a bare number is a fixed scale.",
+    )  # fmt: skip
+    hybrid_adam: bool = _option(
+        True, check=_boolean, feature="HybridAdam",
+        doc="Step each chunk where it lives: C++ Adam for host chunks, torch for device ones. "
+        "False runs the whole step on the compute device.",
+    )  # fmt: skip
+    checkpoint: str | tuple[str, ...] | None = _option(
+        None, check=_checkpoint, feature="the activation checkpoint pass",
+        doc="Activation checkpoint regions: None, 'blocks' (each repeated block), 'auto' (as "
+        "activation_memory requires), or a list of module-name patterns (fnmatch).",
+    )  # fmt: skip
+    checkpoint_every: int = _option(
+        1, check=_integer(1), feature="the activation checkpoint pass",
+        doc="Checkpoint every k-th region (every=k); 1 = all of them.",
+    )  # fmt: skip
+    activation_memory: Size | None = _option(
+        None, check=_size, feature=_ACTIVATIONS,
+        doc="Budget for saved activations on the compute tier; None = what device_memory leaves.",
+    )  # fmt: skip
+    offload_activations: bool = _option(
+        False, check=_boolean, feature=_ACTIVATIONS,
+        doc="Move saved activations at checkpoint boundaries to host memory until backward.",
+    )  # fmt: skip
+    cpu_embedding: bool = _option(
+        False, check=_boolean, feature="the CPU embedding pass",
+        doc="Keep embedding tables on the host and run their lookups there.",
+    )  # fmt: skip
+    tiled_linear: TiledLinearConfig | None = _option(
+        None, check=_group(TiledLinearConfig, optional=True), feature="the tiled-linear pass",
+        doc="Tile large linears (a TiledLinearConfig or a dict); None = off.",
+    )  # fmt: skip
+    static_partition: bool = _option(
+        False, check=_boolean, feature=_TRACER,
+        doc="Place chunks once from the budgets instead of moving them by the traced usage.",
+    )  # fmt: skip
+    warmup_gpu_chunk_mem_ratio: float = _option(
+        0.1, check=_real(0, 1, lo_open=True), feature=_TRACER,
+        doc="Share of device_memory chunks may use before usage has been traced (warm-up).",
+    )  # fmt: skip
+    overall_gpu_mem_ratio: float = _option(
+        0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,
+        doc="Share of device_memory the tracer treats as usable at all.",
+    )  # fmt: skip
+    overall_cpu_mem_ratio: float = _option(
+        0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,
+        doc="Share of host_memory the tracer treats as usable at all.",
+    )  # fmt: skip
+    margin_use_ratio: float = _option(
+        0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,
+        doc="Share of the device memory left over by activations that chunks may take.",
+    )  # fmt: skip
+    async_mem_monitor: bool = _option(
+        False, check=_boolean, feature=_TRACER,
+        doc="Sample memory use from a background thread instead of only at graph nodes.",
+    )  # fmt: skip
+    mem_cache: int = _option(
+        2, check=_integer(0), feature="the chunk manager's memory cache",
+        doc="Freed chunk buffers kept for reuse (capacity); 0 = off.",
+    )  # fmt: skip
+    mem_saving_comm: bool = _option(
+        False, check=_boolean, feature=_DIST,
+        doc="Gather remote chunks one at a time to save memory at the cost of bandwidth.",
+    )  # fmt: skip
+    release_after_init: bool = _option(
+        False, check=_boolean, feature=_CHUNKS,
+        doc="Free the model's original parameter tensors once they are copied into chunks.",
+    )  # fmt: skip
+    fake_dist: bool = _option(
+        False, check=_boolean, feature=_DIST,
+        doc="Lay chunks out as for data parallel but run on one process (for tests).",
+    )  # fmt: skip
+    tensor_parallel: TensorParallelConfig | None = _option(
+        None, check=_group(TensorParallelConfig, optional=True),
+        feature="the tensor-parallel pass",
+        doc="Tensor parallelism (a TensorParallelConfig or a dict); None = off.",
+    )  # fmt: skip
+    passes: tuple[str, ...] = _option(
+        (), check=_names, feature="the pass manager",
+        doc="Pass names to run, in order; empty = the built-ins the other options ask for.",
+    )  # fmt: skip
+    verify: bool = _option(
+        False, check=_boolean, feature="verification",
+        doc="After compiling, compare loss and gradients with eager on the example inputs.",
+    )  # fmt: skip
+    loss_fn: Callable[..., Any] | None = _option(
+        None, check=_loss_fn, feature="capture",
+        doc="Turns the model's outputs (and targets) into the loss; None = the model returns "
+        "it. Not written to JSON.",
+    )  # fmt: skip
+    seed: int | None = _option(
+        None, check=_integer(0, optional=True), feature="the engine",
+        doc="Seed for torch's RNGs before capture and training; None = leave them alone.",
+    )  # fmt: skip
+    notes: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _validate(self, "")
+
+    # -- building and copying -----------------------------------------------------------------
+
+    def replace(self, **changes: Any) -> Plan:
+        """A validated copy with `changes` applied."""
+        _check_keys(changes, option_names())
+        copy = dataclasses.replace(self, **changes)
+        copy.notes.extend(self.notes)
+        return copy
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Build from a dict of options (or a PatrickStar config, detected by its keys)."""
+        if not isinstance(data, Mapping):
+            raise _type_error("plan", "a dict of options", data)
+        if _is_patrickstar(data):
+            return cls.from_patrickstar(data)
+        _check_keys(data, option_names())
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike) -> Plan:
+        """Build from JSON text, or from the JSON file at a path."""
+        text = str(text_or_path) if not isinstance(text_or_path, os.PathLike) else None
+        if text is None or not text.lstrip().startswith("{"):
+            with open(text_or_path, encoding="utf-8") as file:
+                text = file.read()
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_patrickstar(cls, config: Mapping[str, Any]) -> Plan:
+        """Build from a PatrickStar config dict; see `_patrickstar_options` for the mapping."""
+        options, notes = _patrickstar_options(config)
+        plan = cls.from_dict(options)
+        plan.notes.extend(notes)
+        return plan
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every option (groups as dicts, lists, shares as '30%')."""
+        return {f.name: _plain(getattr(self, f.name)) for f in _options(self)}
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """JSON text of the plan, also written to `path` if given.
+
+        loss_fn is left out; a plan whose loss_fn is set cannot be written (ValueError), since
+        the callable would be lost silently.
+        """
+        if self.loss_fn is not None:
+            raise ValueError(
+                "loss_fn: a callable cannot be written to JSON; save plan.replace(loss_fn=None) "
+                "and pass the loss function again after loading"
+            )
+        data = self.to_dict()
+        del data["loss_fn"]
+        text = json.dumps(data, indent=2)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(text + "\n")
+        return text
+
+    # -- using ----------------------------------------------------------------------------------
+
+    def resolve_size(self, name: str, param_bytes: int) -> int | None:
+        """Bytes for the size option `name`; a share is taken of `param_bytes`."""
+        if name not in _SIZE_OPTIONS:
+            sizes = ", ".join(_SIZE_OPTIONS)
+            raise PlanError(f"{name}: not a size option; size options are {sizes}")
+        value = getattr(self, name)
+        return value.resolve(param_bytes) if isinstance(value, Share) else value
+
+    def used_options(self) -> list[str]:
+        """Dotted names of the options set to something other than their default."""
+        used = []
+        for f in _options(self):
+            value, default = getattr(self, f.name), _default(f)
+            if isinstance(default, _Group) and isinstance(value, _Group):
+                for g in _options(value):
+                    if getattr(value, g.name) != getattr(default, g.name):
+                        used.append(f"{f.name}.{g.name}")
+            elif value != default:
+                used.append(f.name)
+        return used
+
+    def check_implemented(self, implemented: set[str] | None = None) -> None:
+        """Raise NotImplementedError naming every used option whose feature does not exist yet.
+
+        An option counts as implemented if its name, or the name of its group, is in
+        `implemented` (default: the module's IMPLEMENTED). Defaults never count as used.
+        """
+        implemented = IMPLEMENTED if implemented is None else implemented
+        missing = [
+            name for name in self.used_options()
+            if name not in implemented and name.split(".")[0] not in implemented
+        ]  # fmt: skip
+        if missing:
+            features = {f.name: f.metadata["feature"] for f in _options(self)}
+            raise NotImplementedError("\n".join(
+                f"Plan option {name!r} is not implemented yet (it is part of "
+                f"{features[name.split('.')[0]]}); remove it or set it to its default"
+                for name in missing
+            ))  # fmt: skip
+
+    def describe(self) -> str:
+        """A table of every option: name, default, current value ('*' if changed), doc."""
+        rows = []  # (changed, name, default, value, doc)
+        for f in _options(self):
+            value, default = getattr(self, f.name), _default(f)
+            show = _show_size if f.name in _SIZE_OPTIONS else _show
+            rows.append((value != default, f.name, show(default), show(value), f.metadata["doc"]))
+            group_cls = _group_class(f)
+            if group_cls is None:
+                continue
+            for g in _options(group_cls):
+                sub_default = _default(g)
+                sub_value = getattr(value, g.name) if value is not None else None
+                changed = value is not None and sub_value != sub_default
+                shown = _show(sub_value) if value is not None else "-"
+                rows.append((changed, f"{f.name}.{g.name}", _show(sub_default), shown,
+                             g.metadata["doc"]))  # fmt: skip
+        header = (False, "option", "default", "value", "")
+        w1, w2 = (max(len(r[i]) for r in [header, *rows]) for i in (1, 2))
+        out = []
+        for changed, name, default, value, doc in [header, *rows]:
+            mark = "*" if changed else " "
+            out.append(f"{mark} {name:<{w1}}  {default:<{w2}}  {value}".rstrip())
+            out.extend(textwrap.wrap(doc, 96, initial_indent="      ", subsequent_indent="      "))
+        return "\n".join(out)
+
+
+def _group_class(f: dataclasses.Field) -> type[_Group] | None:
+    """The option group class a Plan field holds, if any (groups are named after their field)."""
+    for cls in (OptimizerConfig, LossScaleConfig, TiledLinearConfig, TensorParallelConfig):
+        if cls._prefix == f.name:
+            return cls
+    return None
+
+
+def _show_size(value: Size | None) -> str:
+    return format_size(value) if isinstance(value, int) and value % 1024 == 0 else _show(value)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, _Group):
+        return type(value).__name__ + "(...)"
+    if isinstance(value, Share):
+        return str(value)
+    if callable(value):
+        return getattr(value, "__qualname__", repr(value))
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def option_names() -> list[str]:
+    """Names of the top-level Plan options."""
+    return [f.name for f in _options(Plan)]
+
+
+def _all_option_names() -> list[str]:
+    names = []
+    for f in _options(Plan):
+        names.append(f.name)
+        if (cls := _group_class(f)) is not None:
+            names.extend(f"{f.name}.{g.name}" for g in _options(cls))
+    return names
+
+
+_SIZE_OPTIONS = ("device_memory", "host_memory", "activation_memory")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which options have a feature behind them. Later issues call mark_implemented when they land.
+
+IMPLEMENTED: set[str] = {"optimizer", "passes", "verify", "loss_fn", "seed"}
+
+
+def mark_implemented(*names: str) -> None:
+    """Declare options (top-level or dotted, like 'loss_scale.hysteresis') as implemented."""
+    known = _all_option_names()
+    for name in names:
+        if name not in known:
+            raise _unknown(name, known)
+    IMPLEMENTED.update(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# PatrickStar configs. Only what the config states is mapped; missing keys take fxstar's
+# defaults (which differ from PatrickStar's in places, e.g. lr and with_mem_cache).
+
+_PS_MARKERS = ("client", "fp16", "default_chunk_size", "use_cpu_embedding", "gradient_clipping")
+_PS_TOP = ("optimizer", "release_after_init", *_PS_MARKERS)
+_PS_PARAMS = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+_PS_FP16 = ("enabled", *(f.name for f in fields(LossScaleConfig)))
+_PS_TRACER = {
+    "use_async_mem_monitor": "async_mem_monitor",
+    "warmup_gpu_chunk_mem_ratio": "warmup_gpu_chunk_mem_ratio",
+    "overall_gpu_mem_ratio": "overall_gpu_mem_ratio",
+    "overall_cpu_mem_ratio": "overall_cpu_mem_ratio",
+    "margin_use_ratio": "margin_use_ratio",
+    "use_fake_dist": "fake_dist",
+    "with_static_partition": "static_partition",
+}
+_PS_OPTS = ("with_mem_saving_comm", "with_mem_cache", "with_async_move")
+
+
+def _is_patrickstar(data: Mapping[str, Any]) -> bool:
+    optimizer = data.get("optimizer")
+    return any(k in data for k in _PS_MARKERS) or (
+        isinstance(optimizer, Mapping) and "params" in optimizer
+    )
+
+
+def _section(data: Mapping, key: str, known: Sequence[str], prefix: str) -> Mapping:
+    section = data.get(key, {})
+    if not isinstance(section, Mapping):
+        raise _type_error(prefix + key, "a dict", section)
+    _check_keys(section, known, f"{prefix}{key}.")
+    return section
+
+
+def _patrickstar_options(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Native options and notes for a PatrickStar config.
+
+    optimizer.type/params -> optimizer (params.use_hybrid_adam -> hybrid_adam);
+    fp16.enabled -> precision 'fp16'; the other fp16 keys -> loss_scale;
+    default_chunk_size -> chunk_size; use_cpu_embedding -> cpu_embedding;
+    gradient_clipping (<= 0 means off) -> optimizer.clip_grad_norm;
+    client.mem_tracer.* -> the tracer options (use_/with_ prefixes dropped);
+    client.opts.with_mem_saving_comm -> mem_saving_comm; with_mem_cache -> mem_cache 2 or 0;
+    with_async_move is read and ignored (a note says so). Native option names may be mixed in.
+    """
+    native = option_names()
+    for key in config:
+        if key not in _PS_TOP and key not in native:
+            raise _unknown(key, list(_PS_TOP) + [n for n in native if n not in _PS_TOP])
+    options = {k: v for k, v in config.items() if k not in _PS_TOP}
+    notes: list[str] = []
+
+    optimizer = config.get("optimizer", {})
+    if isinstance(optimizer, Mapping) and "params" in optimizer:
+        _check_keys(optimizer, ("type", "params"), "optimizer.")
+        params = _section(optimizer, "params", [*_PS_PARAMS, "use_hybrid_adam"], "optimizer.")
+        optimizer = {_PS_PARAMS[k]: v for k, v in params.items() if k in _PS_PARAMS}
+        if "type" in config["optimizer"]:
+            optimizer["type"] = config["optimizer"]["type"]
+        if "use_hybrid_adam" in params:
+            options["hybrid_adam"] = params["use_hybrid_adam"]
+    if "optimizer" in config:
+        options["optimizer"] = dict(optimizer) if isinstance(optimizer, Mapping) else optimizer
+
+    fp16 = _section(config, "fp16", _PS_FP16, "")
+    if "enabled" in fp16:
+        enabled = _boolean(fp16["enabled"], "fp16.enabled")
+        options["precision"] = "fp16" if enabled else "fp32"
+    scaling = {k: v for k, v in fp16.items() if k != "enabled"}
+    if scaling:
+        options["loss_scale"] = scaling
+
+    renames = {"default_chunk_size": "chunk_size", "use_cpu_embedding": "cpu_embedding",
+               "release_after_init": "release_after_init"}  # fmt: skip
+    options.update({new: config[old] for old, new in renames.items() if old in config})
+    if "gradient_clipping" in config:
+        clip = _real(optional=True)(config["gradient_clipping"], "gradient_clipping")
+        if clip is not None and clip > 0:
+            optimizer = options.get("optimizer", {})
+            if isinstance(optimizer, OptimizerConfig):
+                optimizer = optimizer.to_dict()
+            if isinstance(optimizer, Mapping):  # anything else fails validation later
+                options["optimizer"] = {**optimizer, "clip_grad_norm": clip}
+
+    client = _section(config, "client", ("mem_tracer", "opts"), "")
+    tracer = _section(client, "mem_tracer", list(_PS_TRACER), "client.")
+    options.update({_PS_TRACER[k]: v for k, v in tracer.items()})
+    opts = _section(client, "opts", _PS_OPTS, "client.")
+    if "with_mem_saving_comm" in opts:
+        options["mem_saving_comm"] = opts["with_mem_saving_comm"]
+    if "with_mem_cache" in opts:
+        cache = _boolean(opts["with_mem_cache"], "client.opts.with_mem_cache")
+        options["mem_cache"] = 2 if cache else 0
+    if "with_async_move" in opts:
+        _boolean(opts["with_async_move"], "client.opts.with_async_move")
+        notes.append(
+            f"client.opts.with_async_move={opts['with_async_move']} ignored: fxstar schedules "
+            "chunk moves at compile time (prefetch is the runtime's choice, not an option)"
+        )
+    return options, notes

@@ -1,0 +1,113 @@
+"""The C++ CPU Adam from Python: torch tensors in, thread count and defaults filled in.
+
+The kernels read and write in one pass over memory; `grad_stats` is the read-only companion
+pass that gives the global clip norm and the overflow decision before any update is written.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fxstar import _C
+
+
+class GradStats(NamedTuple):
+    sum_sq: float  # sum of squares of the gradient, accumulated in double
+    finite: bool  # every element finite (no inf, no nan)
+
+
+def default_threads() -> int:
+    """The kernels use as many threads as torch's intra-op pool unless told otherwise."""
+    return torch.get_num_threads()
+
+
+def _plain(t: torch.Tensor | None) -> torch.Tensor | None:
+    # DLPack refuses tensors that require grad; the kernels update storage, not autograd state.
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    variant: str | None = None,
+) -> None:
+    """One Adam (or AdamW) update of fp32 `param`, `exp_avg`, `exp_avg_sq` in place.
+
+    `grad` may be fp32, bf16 or fp16; it is multiplied by `grad_scale` (1/loss_scale times the
+    clip factor) before use. If `out` (bf16/fp16) is given, the updated parameter is also
+    written there, rounded as `param.to(out.dtype)` would.
+    """
+    _C.adam_step(
+        _plain(param),
+        _plain(grad),
+        exp_avg,
+        exp_avg_sq,
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        adamw=adamw,
+        grad_scale=grad_scale,
+        out=_plain(out),
+        num_threads=num_threads or default_threads(),
+        variant=variant or "",
+    )
+
+
+def grad_stats(
+    grad: torch.Tensor, *, num_threads: int | None = None, variant: str | None = None
+) -> GradStats:
+    """Sum of squares and finiteness of a gradient buffer, in one read."""
+    sum_sq, finite = _C.grad_stats(
+        _plain(grad), num_threads=num_threads or default_threads(), variant=variant or ""
+    )
+    return GradStats(sum_sq, finite)
+
+
+def adam_traffic(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+    variant: str | None = None,
+) -> None:
+    """Adam's memory traffic (28 bytes per element) with trivial arithmetic: the roofline.
+
+    It overwrites its arguments; use scratch buffers.
+    """
+    _C.adam_traffic(
+        _plain(param),
+        _plain(grad),
+        exp_avg,
+        exp_avg_sq,
+        num_threads=num_threads or default_threads(),
+        variant=variant or "",
+    )
+
+
+def available_variants() -> list[str]:
+    """Instruction-set variants of the kernels this CPU can run, best first."""
+    return list(_C.available_variants())
+
+
+def selected_variant() -> str:
+    """The variant used when none is named (override with FXSTAR_CPU_VARIANT)."""
+    return _C.selected_variant()

@@ -1,0 +1,25 @@
+"""Host-tier memory: aligned buffers from the C++ core, seen by torch without a copy."""
+
+from __future__ import annotations
+
+import torch
+
+from fxstar import _C
+
+
+def host_empty(
+    nbytes: int, *, alignment: int = 0, zero: bool = False, pin: bool = False
+) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` over aligned memory.
+
+    Without `pin`, the memory comes from the core: 2 MiB aligned with transparent huge pages
+    advised for large buffers, which the CPU Adam streams through fastest. `pin=True` takes
+    page-locked memory from torch's CUDA host allocator instead, so copies to a cuda tier can
+    run asynchronously on a side stream; it needs a GPU.
+    """
+    if pin:
+        if not torch.cuda.is_available():
+            raise RuntimeError("host_empty(pin=True) needs CUDA; this torch sees no GPU")
+        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return tensor.zero_() if zero else tensor
+    return torch.from_dlpack(_C.HostBuffer(nbytes, alignment, zero))

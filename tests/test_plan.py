@@ -1,0 +1,373 @@
+import dataclasses
+import json
+
+import pytest
+
+from fxstar import plan as plan_module
+from fxstar.plan import (
+    IMPLEMENTED,
+    LossScaleConfig,
+    OptimizerConfig,
+    Plan,
+    PlanError,
+    TensorParallelConfig,
+    TiledLinearConfig,
+    mark_implemented,
+    option_names,
+)
+from fxstar.sizes import Share
+
+PATRICKSTAR = {
+    "optimizer": {
+        "type": "Adam",
+        "params": {
+            "lr": 0.001,
+            "betas": [0.9, 0.999],
+            "eps": 1e-6,
+            "weight_decay": 0,
+            "use_hybrid_adam": True,
+        },
+    },
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 10,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "default_chunk_size": 67108864,
+    "release_after_init": False,
+    "use_cpu_embedding": False,
+    "client": {
+        "mem_tracer": {
+            "use_async_mem_monitor": True,
+            "warmup_gpu_chunk_mem_ratio": 0.1,
+            "overall_gpu_mem_ratio": 0.8,
+            "overall_cpu_mem_ratio": 0.8,
+            "margin_use_ratio": 0.8,
+            "use_fake_dist": False,
+            "with_static_partition": False,
+        },
+        "opts": {"with_mem_saving_comm": False, "with_mem_cache": True, "with_async_move": False},
+    },
+}
+
+
+def test_defaults():
+    p = Plan()
+    assert p.device_memory is None and p.host_memory is None and p.activation_memory is None
+    assert p.chunk_size == "auto" and p.precision == "fp32"
+    assert p.optimizer == OptimizerConfig()
+    assert p.optimizer.type == "adamw" and p.optimizer.lr == 1e-3
+    assert p.optimizer.betas == (0.9, 0.999) and p.optimizer.eps == 1e-8
+    assert p.optimizer.no_decay == ("bias", "norm", "ln_", "layernorm")
+    assert p.optimizer.clip_grad_norm is None and p.optimizer.accumulation_steps == 1
+    assert p.loss_scale == LossScaleConfig(0.0, 16, 1000, 2, 1.0)
+    assert p.hybrid_adam is True and p.checkpoint is None and p.checkpoint_every == 1
+    assert p.tiled_linear is None and p.tensor_parallel is None
+    assert (p.warmup_gpu_chunk_mem_ratio, p.overall_gpu_mem_ratio) == (0.1, 0.8)
+    assert (p.overall_cpu_mem_ratio, p.margin_use_ratio) == (0.8, 0.8)
+    assert p.mem_cache == 2 and p.passes == () and p.verify is False
+    assert p.loss_fn is None and p.seed is None and p.notes == []
+    assert TiledLinearConfig().min_size == 1 << 20
+    assert TensorParallelConfig().rules == {}
+
+
+def test_every_option_has_a_doc_and_a_feature():
+    for f in dataclasses.fields(Plan):
+        if f.name != "notes":
+            assert f.metadata["doc"] and f.metadata["feature"], f.name
+
+
+def test_design_doc_example():
+    p = Plan(
+        device_memory="4GiB",
+        precision="bf16",
+        checkpoint="blocks",
+        offload_activations=True,
+        cpu_embedding=True,
+        tiled_linear={"in_splits": 2, "out_splits": 2},
+        optimizer={"type": "adamw", "lr": 3e-4, "weight_decay": 0.1},
+    )
+    assert p.device_memory == 4 * 1024**3
+    assert p.tiled_linear == TiledLinearConfig(in_splits=2, out_splits=2)
+    assert p.optimizer == OptimizerConfig(lr=3e-4, weight_decay=0.1)
+
+
+def test_nested_dicts_take_defaults_for_missing_keys():
+    p = Plan(optimizer={"lr": 3e-4}, loss_scale={"hysteresis": 4}, tensor_parallel={"size": 2})
+    assert p.optimizer == OptimizerConfig(lr=3e-4)
+    assert p.loss_scale == LossScaleConfig(hysteresis=4)
+    assert p.tensor_parallel == TensorParallelConfig(size=2)
+    assert Plan(loss_scale=128).loss_scale == LossScaleConfig(loss_scale=128.0)
+
+
+def test_normalisation():
+    p = Plan(
+        precision="BF16",
+        optimizer={"type": "AdamW", "betas": [0.8, 0.9], "no_decay": ["bias"]},
+        checkpoint=["h.*", "lm_head"],
+        passes=["capture", "chunk_schedule"],
+        tensor_parallel={"rules": {"*.c_attn": "Column"}},
+    )
+    assert p.precision == "bf16" and p.optimizer.type == "adamw"
+    assert p.optimizer.betas == (0.8, 0.9) and p.optimizer.no_decay == ("bias",)
+    assert p.checkpoint == ("h.*", "lm_head") and p.passes == ("capture", "chunk_schedule")
+    assert p.tensor_parallel.rules == {"*.c_attn": "column"}
+    assert Plan(checkpoint=[]).checkpoint is None
+
+
+def test_sizes_and_share_resolution():
+    p = Plan(device_memory="30%", host_memory="1.5 GB", activation_memory=1000)
+    assert p.device_memory == Share(30.0)
+    assert p.host_memory == 1_500_000_000
+    assert p.resolve_size("device_memory", 10_000) == 3000
+    assert p.resolve_size("host_memory", 10_000) == 1_500_000_000
+    assert p.resolve_size("activation_memory", 10_000) == 1000
+    assert Plan().resolve_size("device_memory", 10_000) is None
+    with pytest.raises(PlanError, match="mem_cache: not a size option"):
+        p.resolve_size("mem_cache", 10)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"margin_use_ratio": 1.5}, r"margin_use_ratio: must be in \(0, 1\], got 1.5"),
+        ({"overall_gpu_mem_ratio": 0}, r"overall_gpu_mem_ratio: must be in \(0, 1\], got 0"),
+        ({"warmup_gpu_chunk_mem_ratio": float("nan")}, "warmup_gpu_chunk_mem_ratio: must be in"),
+        ({"checkpoint_every": 0}, "checkpoint_every: must be >= 1, got 0"),
+        ({"mem_cache": -1}, "mem_cache: must be >= 0, got -1"),
+        ({"chunk_size": 0}, "chunk_size: must be 'auto' or an int > 0"),
+        ({"chunk_size": "big"}, "chunk_size: must be 'auto' or an int > 0"),
+        ({"precision": "fp8"}, "precision: must be one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
+        ({"device_memory": "4 gigs"}, "device_memory: expected bytes"),
+        ({"host_memory": -5}, "host_memory: must be >= 0 bytes"),
+        ({"activation_memory": "2000%"}, "activation_memory: a share must be in"),
+        ({"optimizer": {"lr": 0}}, r"optimizer.lr: must be > 0, got 0"),
+        ({"optimizer": {"type": "lamb"}}, "optimizer.type: must be one of"),
+        ({"optimizer": {"betas": [0.9, 1.0]}}, r"optimizer.betas\[1\]: must be in \[0, 1\)"),
+        ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: must be a pair"),
+        ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay: must be >= 0"),
+        ({"optimizer": {"clip_grad_norm": 0}}, "optimizer.clip_grad_norm: must be > 0"),
+        ({"optimizer": {"accumulation_steps": 0}}, "optimizer.accumulation_steps: must be >= 1"),
+        ({"loss_scale": {"initial_scale_power": 65}}, "loss_scale.initial_scale_power: must be in"),
+        ({"loss_scale": {"min_loss_scale": 0}}, "loss_scale.min_loss_scale: must be > 0"),
+        ({"tiled_linear": {"in_splits": 0}}, "tiled_linear.in_splits: must be >= 1"),
+        ({"tensor_parallel": {"rules": {"h.*": "diagonal"}}}, r"tensor_parallel.rules\['h.\*'\]"),
+        ({"seed": -1}, "seed: must be >= 0"),
+    ],
+)
+def test_range_errors_name_the_field_and_range(options, message):
+    with pytest.raises(PlanError, match=message):
+        Plan(**options)
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"hybrid_adam": "yes"}, "hybrid_adam: must be a bool, got 'yes' (str)"),
+        ({"verify": 1}, "verify: must be a bool, got 1 (int)"),
+        ({"margin_use_ratio": "0.8"}, "margin_use_ratio: must be a number"),
+        ({"mem_cache": 2.0}, "mem_cache: must be an int"),
+        ({"mem_cache": True}, "mem_cache: must be an int"),
+        ({"checkpoint_every": None}, "checkpoint_every: must be an int"),
+        ({"passes": "capture"}, "passes: must be a list of strings"),
+        ({"passes": ["capture", 3]}, "passes: every entry must be a non-empty string"),
+        ({"checkpoint": "everything"}, "checkpoint: must be None, 'blocks', 'auto' or a list"),
+        ({"optimizer": None}, "optimizer: must be an OptimizerConfig or a dict|optimizer: must be"),
+        ({"tiled_linear": 2}, "tiled_linear: must be None, a TiledLinearConfig or a dict"),
+        ({"loss_fn": "cross_entropy"}, "loss_fn: must be None or a callable"),
+        ({"tensor_parallel": {"sequence_parallel": "no"}}, "tensor_parallel.sequence_parallel"),
+    ],
+)
+def test_type_errors_name_the_field(options, message):
+    with pytest.raises(PlanError) as info:
+        Plan(**options)
+    assert any(part in str(info.value) for part in message.split("|")), str(info.value)
+
+
+def test_unknown_keys_suggest_the_closest_option():
+    top = "unknown option 'device_memroy' — did you mean 'device_memory'?"
+    with pytest.raises(PlanError, match=top):
+        Plan.from_dict({"device_memroy": "4GiB"})
+    nested = "unknown option 'optimizer.lrr' — did you mean 'optimizer.lr'?"
+    with pytest.raises(PlanError, match=nested):
+        Plan.from_dict({"optimizer": {"lrr": 0.1}})
+    with pytest.raises(PlanError, match="did you mean 'tiled_linear.in_splits'"):
+        Plan(tiled_linear={"in_split": 2})
+    with pytest.raises(PlanError, match="unknown option 'zzz'; known options: device_memory"):
+        Plan.from_dict({"zzz": 1})
+    with pytest.raises(PlanError, match="did you mean 'checkpoint'"):
+        Plan().replace(checkpiont="blocks")
+
+
+def test_replace_validates_and_keeps_the_original():
+    p = Plan()
+    q = p.replace(precision="bf16", optimizer={"lr": 0.1})
+    assert p.precision == "fp32" and q.precision == "bf16" and q.optimizer.lr == 0.1
+    with pytest.raises(PlanError, match="margin_use_ratio"):
+        p.replace(margin_use_ratio=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.precision = "bf16"
+
+
+def _full_plan() -> Plan:
+    return Plan(
+        device_memory="30%",
+        host_memory="64GiB",
+        activation_memory="12.5%",
+        chunk_size=1 << 20,
+        precision="fp16",
+        optimizer={"type": "adam", "lr": 3e-4, "betas": [0.8, 0.95], "clip_grad_norm": 1.0},
+        loss_scale={"loss_scale": 0, "initial_scale_power": 12},
+        hybrid_adam=False,
+        checkpoint=["transformer.h.*"],
+        checkpoint_every=2,
+        offload_activations=True,
+        tiled_linear={"in_splits": 2, "out_splits": 4, "min_size": 4096},
+        tensor_parallel={"size": 2, "sequence_parallel": True, "rules": {"*.c_fc": "column"}},
+        passes=["capture"],
+        mem_cache=0,
+        seed=7,
+    )
+
+
+def test_dict_and_json_round_trip(tmp_path):
+    p = _full_plan()
+    assert Plan.from_dict(p.to_dict()) == p
+    assert Plan.from_json(p.to_json()) == p
+    data = json.loads(p.to_json())
+    assert data["device_memory"] == "30%" and data["optimizer"]["betas"] == [0.8, 0.95]
+    assert "loss_fn" not in data
+    path = tmp_path / "plan.json"
+    p.to_json(path)
+    assert Plan.from_json(path) == p
+    assert Plan.from_json(str(path)) == p
+    assert Plan.from_json(Plan().to_json()) == Plan()
+    assert set(Plan().to_dict()) == set(option_names())
+
+
+def test_loss_fn_round_trips_in_dicts_but_not_json():
+    def loss(out, target):
+        return out
+
+    p = Plan(loss_fn=loss)
+    assert Plan.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="loss_fn"):
+        p.to_json()
+
+
+def test_patrickstar_config():
+    p = Plan.from_dict(PATRICKSTAR)
+    assert p == Plan.from_patrickstar(PATRICKSTAR)
+    assert p.optimizer == OptimizerConfig(type="adam", lr=0.001, betas=(0.9, 0.999), eps=1e-6)
+    assert p.hybrid_adam is True
+    assert p.precision == "fp16"
+    assert p.loss_scale == LossScaleConfig(0.0, 10, 1000, 2, 1.0)
+    assert p.chunk_size == 67108864
+    assert p.release_after_init is False and p.cpu_embedding is False
+    assert p.async_mem_monitor is True and p.fake_dist is False and p.static_partition is False
+    assert (p.warmup_gpu_chunk_mem_ratio, p.overall_gpu_mem_ratio) == (0.1, 0.8)
+    assert (p.overall_cpu_mem_ratio, p.margin_use_ratio) == (0.8, 0.8)
+    assert p.mem_saving_comm is False and p.mem_cache == 2
+    assert len(p.notes) == 1 and "with_async_move" in p.notes[0]
+    assert PATRICKSTAR["optimizer"]["type"] == "Adam"  # the input is not modified
+
+
+def test_patrickstar_variants():
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "client": {"opts": {"with_mem_cache": False}},
+        "gradient_clipping": 1.0,
+        "device_memory": "2GiB",  # native options may be mixed in
+    }
+    p = Plan.from_dict(config)
+    assert p.optimizer == OptimizerConfig(type="adamw", lr=0.01, clip_grad_norm=1.0)
+    assert p.mem_cache == 0 and p.device_memory == 2 * 1024**3 and p.notes == []
+    assert Plan.from_dict({"gradient_clipping": -1}).optimizer.clip_grad_norm is None
+    assert Plan.from_dict({"fp16": {"enabled": False}}).precision == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"fp16": {"enabeld": True}}, "'fp16.enabeld' — did you mean 'fp16.enabled'"),
+        ({"client": {"mem_tracer": {"use_async_mem_monitr": True}}},
+         "did you mean 'client.mem_tracer.use_async_mem_monitor'"),
+        ({"client": {"opts": {"with_mem_cach": True}}},
+         "did you mean 'client.opts.with_mem_cache'"),
+        ({"client": {}, "default_chunk_sise": 1}, "did you mean 'default_chunk_size'"),
+        ({"optimizer": {"type": "Adam", "params": {"lrr": 1}}},
+         "did you mean 'optimizer.params.lr'"),
+        ({"client": {"opts": {"with_mem_cache": "yes"}}},
+         "client.opts.with_mem_cache: must be a bool"),
+        ({"fp16": {"enabled": True, "hysteresis": 0}}, "loss_scale.hysteresis: must be >= 1"),
+    ],
+)  # fmt: skip
+def test_patrickstar_errors(config, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict(config)
+
+
+def test_check_implemented():
+    Plan().check_implemented()  # defaults never count as used
+    Plan(
+        optimizer={"lr": 0.1, "clip_grad_norm": 1.0, "accumulation_steps": 4},
+        passes=["capture"],
+        verify=True,
+        seed=0,
+        loss_fn=len,
+    ).check_implemented()
+    with pytest.raises(NotImplementedError) as info:
+        Plan(offload_activations=True, precision="bf16").check_implemented()
+    message = str(info.value)
+    assert (
+        "Plan option 'offload_activations' is not implemented yet (it is part of the activation "
+        "passes); remove it or set it to its default"
+    ) in message
+    assert "'precision'" in message and "mixed precision" in message
+    with pytest.raises(NotImplementedError, match="'loss_scale.hysteresis'.*fp16 loss scaling"):
+        Plan(loss_scale={"hysteresis": 3}).check_implemented()
+    with pytest.raises(NotImplementedError, match="'tiled_linear'"):
+        Plan(tiled_linear={}).check_implemented()
+    Plan(offload_activations=True).check_implemented({"offload_activations"})
+    Plan(loss_scale={"hysteresis": 3}).check_implemented({"loss_scale.hysteresis"})
+
+
+def test_mark_implemented(monkeypatch):
+    monkeypatch.setattr(plan_module, "IMPLEMENTED", set(IMPLEMENTED))
+    plan = Plan(cpu_embedding=True)
+    with pytest.raises(NotImplementedError, match="cpu_embedding"):
+        plan.check_implemented()
+    plan_module.mark_implemented("cpu_embedding", "loss_scale.hysteresis")
+    plan.check_implemented()
+    with pytest.raises(PlanError, match="did you mean 'cpu_embedding'"):
+        mark_implemented("cpu_embeding")
+    assert "cpu_embedding" not in IMPLEMENTED  # the real registry was not touched
+
+
+def test_describe_lists_every_option():
+    p = Plan(device_memory="4GiB", tiled_linear={"in_splits": 2})
+    text = p.describe()
+    for f in dataclasses.fields(Plan):
+        if f.name != "notes":
+            assert f.name in text, f.name
+            assert f.metadata["doc"].split()[0] in text
+    for cls in [OptimizerConfig, LossScaleConfig, TiledLinearConfig, TensorParallelConfig]:
+        for f in dataclasses.fields(cls):
+            assert f"{cls._prefix}.{f.name}" in text
+    changed = [line.split()[1] for line in text.splitlines() if line.startswith("*")]
+    assert changed == ["device_memory", "tiled_linear", "tiled_linear.in_splits"]
+    assert "4GiB" in text
+
+
+def test_no_decay_matching():
+    opt = OptimizerConfig(no_decay=("bias", "norm", "*.wpe.*"))
+    assert not opt.decays("h.0.attn.c_attn.bias")
+    assert not opt.decays("h.0.LayerNorm.weight")
+    assert not opt.decays("transformer.wpe.weight")
+    assert opt.decays("wpe.weight")  # a glob matches the full name only
+    assert opt.decays("h.0.mlp.c_fc.weight")
