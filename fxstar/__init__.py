@@ -1,6 +1,46 @@
-"""fxstar: train PyTorch models larger than accelerator memory by compiling the training step."""
+"""fxstar: train PyTorch models larger than accelerator memory by compiling the training step.
 
-from fxstar import _C
+engine = fxstar.compile(model, fxstar.Plan(...), example_inputs=(idx, targets))
+loss = engine(idx, targets); loss.backward(); engine.step()
+print(fxstar.dump(engine)); print(fxstar.diff(engine, "capture", "shape_memory"))
+"""
+
+from fxstar import _C, passes
+from fxstar.capture import capture
+from fxstar.dump import diff, draw, dump
+from fxstar.engine import Engine, compile
+from fxstar.errors import CaptureError, FxstarError, IRError, PassOrderError, VerifyError
+from fxstar.plan import (
+    LossScaleConfig,
+    OptimizerConfig,
+    Plan,
+    PlanError,
+    TensorParallelConfig,
+    TiledLinearConfig,
+)
+from fxstar.program import Program, Stage
 
 __version__ = "0.1.0"
-__all__ = ["_C", "__version__"]
+__all__ = [
+    "CaptureError",
+    "Engine",
+    "FxstarError",
+    "IRError",
+    "LossScaleConfig",
+    "OptimizerConfig",
+    "PassOrderError",
+    "Plan",
+    "PlanError",
+    "Program",
+    "Stage",
+    "TensorParallelConfig",
+    "TiledLinearConfig",
+    "VerifyError",
+    "_C",
+    "capture",
+    "compile",
+    "diff",
+    "draw",
+    "dump",
+    "passes",
+]

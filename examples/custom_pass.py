@@ -1,0 +1,53 @@
+"""A pass written outside fxstar: annotate every linear with its forward FLOPs.
+
+Registered with `@fxstar.passes.register`, listed in `plan.passes` by name, ordered after
+the built-in `shape_memory`; its notes show in `fxstar.dump` and `fxstar.diff`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from fxstar import passes
+from fxstar.dump import NOTES_KEY, diff, dump
+from fxstar.program import Program
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@passes.register(name="linear_flops", after=("shape_memory",), replace=True)
+def linear_flops(program: Program) -> Program:
+    """Analysis: 2 * batch * in * out FLOPs on each aten.linear, and the total."""
+    total = 0
+    for node in program.graph_module.graph.nodes:
+        if node.target is torch.ops.aten.linear.default:
+            x, w = node.args[0].meta["val"], node.args[1].meta["val"]
+            flops = 2 * x.numel() * w.shape[0]
+            node.meta.setdefault(NOTES_KEY, {})["flops"] = f"{flops:,}"
+            total += flops
+    program.meta["linear_flops"] = total
+    return program
+
+
+def main() -> None:
+    from gpt import GPT, GPTConfig
+
+    from fxstar.engine import compile
+    from fxstar.plan import Plan
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    targets = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    engine = compile(model, Plan(passes=["linear_flops", "shape_memory"]), (idx, targets))
+    print(dump(engine, "linear_flops"))
+    print(diff(engine, "shape_memory", "linear_flops"))
+    print(f"linear FLOPs per forward: {engine.program.meta['linear_flops']:,}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Capture: model + example inputs -> Program, or a CaptureError that says where and why.
+
+The default is `torch.export.export(..., strict=False)`, the pre-decomposition training IR:
+parameters, buffers and lifted constants are placeholders, so passes see every parameter use
+and the Engine can feed the model's own tensors. `torch.fx.symbolic_trace` is offered for
+dump/diff and identity runs of models export cannot take; rewrite passes refuse it.
+"""
+
+from __future__ import annotations
+
+import copy
+import linecache
+import os
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+from fxstar.errors import CaptureError
+from fxstar.program import EXPORT, SYMBOLIC_TRACE, InputSlot, ParamInfo, Program
+
+__all__ = ["LossWrapper", "capture"]
+
+_KINDS = {
+    InputKind.PARAMETER: "parameter",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant",
+    InputKind.USER_INPUT: "input",
+}
+
+
+class LossWrapper(nn.Module):
+    """`forward(*inputs, targets)` = `loss_fn(model(*inputs), targets)`, for logits models.
+
+    The last positional argument is the targets; keyword arguments go to the model. Capturing
+    the wrapper puts the loss in the graph, so memory passes see it like any other node.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not args:
+            raise TypeError("with plan.loss_fn the last positional argument must be the targets")
+        *inputs, targets = args
+        return self.loss_fn(self.model(*inputs, **kwargs), targets)
+
+
+def capture(
+    model: nn.Module,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    plan: Any = None,
+    dynamic_shapes: Any = None,
+    method: str = EXPORT,
+) -> Program:
+    """Capture `model` called on `args`/`kwargs` as a Program whose first stage is 'capture'.
+
+    With `plan.loss_fn` set, the model is wrapped in a LossWrapper (the targets are the last
+    positional argument). The model is captured in its current training mode.
+    """
+    kwargs = dict(kwargs or {})
+    loss_fn = getattr(plan, "loss_fn", None)
+    root: nn.Module = LossWrapper(model, loss_fn) if loss_fn is not None else model
+    prefix = "model." if loss_fn is not None else ""
+    if method == EXPORT:
+        program = _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes)
+    elif method == SYMBOLIC_TRACE:
+        program = _capture_symbolic(root, model, args, kwargs, plan)
+    else:
+        raise ValueError(f"method must be {EXPORT!r} or {SYMBOLIC_TRACE!r}, got {method!r}")
+    program.refresh_param_uses()
+    program.record("capture")
+    return program
+
+
+# -- torch.export ---------------------------------------------------------------------------------
+
+
+def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> Program:
+    args, kwargs = _distinct_tensors(args, kwargs)
+    try:
+        ep = torch.export.export(root, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    except Exception as error:  # noqa: BLE001 - any failure becomes a CaptureError
+        raise _capture_error(error, root, prefix) from error
+
+    def model_name(target: str) -> str:
+        return target[len(prefix) :] if prefix and target.startswith(prefix) else target
+
+    inputs = []
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind not in _KINDS:
+            raise CaptureError(
+                f"unsupported graph input {spec.arg.name} of kind {spec.kind.name}",
+                hint="fxstar feeds parameters, buffers, tensor constants and user inputs only",
+            )
+        target = spec.target
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            target = model_name(target)
+        inputs.append(InputSlot(_KINDS[spec.kind], spec.arg.name, target))
+    constants = {
+        spec.target: ep.constants[spec.target]
+        for spec in ep.graph_signature.input_specs
+        if spec.kind == InputKind.CONSTANT_TENSOR
+    }
+
+    mutations = []
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations.append(InputSlot("buffer", spec.arg.name, model_name(spec.target)))
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            raise CaptureError(
+                f"unsupported graph output {spec.arg.name} of kind {spec.kind.name}",
+                hint="a model that mutates its inputs in place cannot be captured; copy first",
+            )
+    kinds = [spec.kind for spec in ep.graph_signature.output_specs]
+    if any(k == OutputKind.BUFFER_MUTATION for k in kinds[len(mutations) :]):
+        raise CaptureError("buffer mutations are expected before the user outputs")
+
+    program = Program(
+        graph_module=copy.deepcopy(ep.graph_module),
+        model=model,
+        plan=plan,
+        ir=EXPORT,
+        inputs=inputs,
+        constants=constants,
+        mutations=mutations,
+        in_spec=ep.call_spec.in_spec,
+        out_spec=ep.call_spec.out_spec,
+        example_args=tuple(args),
+        example_kwargs=kwargs,
+        training=model.training,
+    )
+    program.params = _param_table(
+        model, [(s.node, s.target) for s in inputs if s.kind == "parameter"]
+    )
+    return program
+
+
+def _distinct_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Clone repeated input tensors: export merges identical inputs into one placeholder."""
+    seen: set[int] = set()
+
+    def distinct(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return x.detach().clone()
+            seen.add(id(x))
+        return x
+
+    return pytree.tree_map(distinct, (tuple(args), kwargs))
+
+
+def _param_table(model: nn.Module, bound: list[tuple[str, str]]) -> list[ParamInfo]:
+    """One entry per parameter tensor (tied ones deduplicated by identity), every alias kept.
+
+    `bound` lists (graph node name, model parameter name) pairs that bring a parameter in.
+    """
+    names_of: dict[int, list[str]] = {}
+    tensor_of: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        tensor_of[id(p)] = p
+    id_of = {name: key for key, names in names_of.items() for name in names}
+    nodes_of: dict[int, list[str]] = {}
+    for node, name in bound:
+        nodes_of.setdefault(id_of[name], []).append(node)
+    table = []
+    for key, nodes in nodes_of.items():
+        p = tensor_of[key]
+        table.append(
+            ParamInfo(
+                name=names_of[key][0],
+                aliases=tuple(names_of[key]),
+                placeholders=tuple(nodes),
+                shape=tuple(p.shape),
+                dtype=p.dtype,
+                requires_grad=p.requires_grad,
+            )
+        )
+    return table
+
+
+# -- torch.fx.symbolic_trace ----------------------------------------------------------------------
+
+
+def _capture_symbolic(root, model, args, kwargs, plan) -> Program:
+    try:
+        gm = fx.symbolic_trace(root)
+    except Exception as error:  # noqa: BLE001
+        raise _capture_error(error, root, "model." if root is not model else "") from error
+    prefix = "model." if root is not model else ""
+    params = {name for name, _ in root.named_parameters(remove_duplicate=False)}
+    bound = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            bound.append((node.name, node.target))
+        elif node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            for pname, _ in mod.named_parameters(remove_duplicate=False):
+                bound.append((node.name, f"{node.target}.{pname}"))
+    bound = [(n, t[len(prefix) :] if prefix and t.startswith(prefix) else t) for n, t in bound]
+    return Program(
+        graph_module=gm,
+        model=model,
+        plan=plan,
+        ir=SYMBOLIC_TRACE,
+        params=_param_table(model, bound),
+        example_args=tuple(args),
+        example_kwargs=dict(kwargs),
+        training=model.training,
+    )
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXSTAR_DIR = os.path.dirname(__file__)
+
+
+def _capture_error(error: BaseException, root: nn.Module, prefix: str) -> CaptureError:
+    """A CaptureError naming the innermost model module and model source line in the traceback."""
+    module_names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    module_path = location = None
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        filename = frame.f_code.co_filename
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in module_names:
+            name = module_names[id(owner)]
+            module_path = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+        if not filename.startswith((_TORCH_DIR, _FXSTAR_DIR)):
+            source = linecache.getline(filename, lineno).strip()
+            location = f"{filename}:{lineno} in {frame.f_code.co_name}" + (
+                f": {source}" if source else ""
+            )
+    return CaptureError(
+        f"could not capture {type(root).__name__} with torch.export (strict=False)",
+        original=error,
+        module_path=module_path,
+        location=location,
+        hint=_hint(error),
+    )
+
+
+def _hint(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    if "pytree" in text or "not a known type" in text:
+        return (
+            "the model returns or takes a non-tensor object (a KV cache?): set "
+            "config.use_cache=False, or wrap the model so forward returns only tensors"
+        )
+    if "data-dependent" in text or "DataDependent" in text:
+        return (
+            "Python control flow or .item() depends on a tensor's value here: compute it "
+            "outside the model, use torch.where/torch.cond, or hint with torch._check"
+        )
+    return (
+        "make forward traceable with fake tensors (no .item(), .numpy() or value-dependent "
+        "branches); for dump/diff only, capture with method='symbolic_trace'"
+    )

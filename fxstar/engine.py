@@ -1,0 +1,239 @@
+"""Engine: runs the compiled training graph as a callable nn.Module, and steps the optimizer.
+
+The Engine feeds the model's own parameter tensors into the captured graph, so gradients
+land in the model's `.grad`, `engine.parameters()` are the model's parameters under the
+model's names, and every capture (one per input signature) shares them: nothing is copied
+per shape. Backward is ordinary autograd: `engine(idx, targets).backward()`.
+
+Capture cache key: (training mode, structure of the inputs, and per tensor input its shape
+-- or only its rank under `dynamic_shapes` -- dtype, device and requires_grad; non-tensor
+inputs by value, since export specialises on them). Grad mode is not part of the key: the
+training IR records no autograd decisions, so one capture serves `torch.no_grad()` too;
+eval mode (dropout off) is a separate capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxstar.capture import capture
+from fxstar.passes import PassManager
+from fxstar.passes.shape_memory import META_KEY
+from fxstar.program import EXPORT, Program
+from fxstar.sizes import format_size
+from fxstar.verify import Verifier
+
+__all__ = ["Engine", "compile"]
+
+
+class _CaptureCheck:
+    """Stand-in pass so the verifier names the capture when it differs from eager."""
+
+    name = "capture"
+    tolerance = None
+
+
+class Engine(nn.Module):
+    """A compiled model: call it like the model, then `loss.backward()` and `engine.step()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Any,
+        *,
+        dynamic_shapes: Any = None,
+        method: str = EXPORT,
+    ):
+        super().__init__()
+        # Not a registered submodule: parameter and state_dict names stay the model's own.
+        object.__setattr__(self, "model", model)
+        self.plan = plan
+        self.dynamic_shapes = dynamic_shapes
+        self.method = method
+        self.pass_manager = PassManager(plan.passes)
+        self.programs: dict[tuple, Program] = {}
+        self.training = model.training
+        self.optimizer = _make_optimizer(model, plan.optimizer)
+        self._micro_steps = 0
+        if plan.verify and method != EXPORT:
+            raise ValueError("plan.verify needs method='export' (it feeds cloned parameters)")
+
+    # -- running ------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.prepare(*args, **kwargs).run(args, kwargs)
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Program:
+        """The Program for these inputs, captured (and passes run) if not cached yet."""
+        key = self.signature(args, kwargs)
+        program = self.programs.get(key)
+        if program is None:
+            program = self._compile(args, kwargs)
+            self.programs[key] = program
+        return program
+
+    def signature(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+        """The capture cache key of a call (see the module docstring)."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        parts = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                shape = leaf.dim() if self.dynamic_shapes is not None else tuple(leaf.shape)
+                parts.append(("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad))
+            else:
+                try:
+                    hash(leaf)
+                    parts.append(("value", type(leaf), leaf))
+                except TypeError:
+                    parts.append(("value", type(leaf), repr(leaf)))
+        return (self.model.training, str(spec), tuple(parts))
+
+    def _compile(self, args: tuple, kwargs: Mapping[str, Any]) -> Program:
+        with torch.enable_grad():
+            program = capture(
+                self.model,
+                args,
+                kwargs,
+                plan=self.plan,
+                dynamic_shapes=self.dynamic_shapes,
+                method=self.method,
+            )
+        check = None
+        if self.plan.verify:
+            check = Verifier(
+                self.model, args, kwargs, loss_fn=self.plan.loss_fn, seed=self.plan.seed or 0
+            )
+            check.baseline()
+            check(_CaptureCheck(), program)
+        return self.pass_manager.run(program, check=check)
+
+    @property
+    def program(self) -> Program:
+        """The first Program compiled (for the example inputs)."""
+        if not self.programs:
+            raise LookupError("nothing compiled yet: call the engine or pass example_inputs")
+        return next(iter(self.programs.values()))
+
+    # -- optimizer ------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One optimizer step every `accumulation_steps` calls (gradients summed meanwhile),
+        with gradient clipping if planned, then gradients zeroed. True when it stepped."""
+        self._micro_steps += 1
+        opt = self.plan.optimizer
+        if self._micro_steps % opt.accumulation_steps:
+            return False
+        if opt.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), opt.clip_grad_norm)
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        return True
+
+    # -- nn.Module plumbing: the model's parameters, names, state and mode -------------------
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.model.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def train(self, mode: bool = True) -> Engine:
+        self.training = mode
+        self.model.train(mode)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.model._apply(fn, recurse)
+        self.programs.clear()  # devices and dtypes are baked into captures
+        return self
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def report(self) -> str:
+        """Parameters, captures, passes and, if shape_memory ran, activation memory."""
+        lines = []
+        if not self.programs:
+            return "fxstar engine: nothing compiled yet"
+        program = self.program
+        tied = sum(len(p.aliases) - 1 for p in program.params)
+        lines.append(
+            f"fxstar engine for {type(self.model).__name__}: {len(program.params)} parameter "
+            f"tensors ({tied} tied aliases), {format_size(program.param_bytes)}"
+        )
+        lines.append(f"captures: {len(self.programs)} (one per input signature and mode)")
+        lines.append("passes: " + (", ".join(self.pass_manager.names) or "none"))
+        report = program.meta.get(META_KEY)
+        if report is not None:
+            lines.append(report.format())
+        else:
+            lines.append("activation memory: add 'shape_memory' to plan.passes to measure it")
+        return "\n".join(lines)
+
+    def extra_repr(self) -> str:
+        return f"model={type(self.model).__name__}, passes={self.pass_manager.names}"
+
+
+def _make_optimizer(model: nn.Module, opt: Any) -> torch.optim.Optimizer:
+    """The plan's torch optimizer, with no_decay parameters in a group of their own."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if opt.decays(name) else no_decay).append(p)
+    groups = [
+        {"params": ps, "weight_decay": wd}
+        for ps, wd in ((decay, opt.weight_decay), (no_decay, 0.0))
+        if ps
+    ]
+    if opt.type == "adamw":
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    if opt.type == "adam":
+        return torch.optim.Adam(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    if opt.type == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.betas[0])
+    raise ValueError(f"unknown optimizer type {opt.type!r}")
+
+
+def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
+    model: nn.Module,
+    plan: Any = None,
+    example_inputs: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    method: str = EXPORT,
+) -> Engine:
+    """Compile `model` under `plan` (default `Plan()`) into an Engine.
+
+    With example inputs, capture and passes run now (errors surface here); otherwise at the
+    first call. A single tensor counts as a one-element tuple.
+    """
+    from fxstar.plan import Plan
+
+    plan = Plan() if plan is None else plan
+    plan.check_implemented()
+    if plan.seed is not None:
+        torch.manual_seed(plan.seed)
+    engine = Engine(model, plan, dynamic_shapes=dynamic_shapes, method=method)
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if example_inputs or example_kwargs:
+        engine.prepare(*example_inputs, **dict(example_kwargs or {}))
+    return engine

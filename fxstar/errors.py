@@ -1,0 +1,65 @@
+"""Errors fxstar raises on purpose: each says what went wrong, where, and what to try."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureError",
+    "FxstarError",
+    "IRError",
+    "PassOrderError",
+    "VerifyError",
+]
+
+
+class FxstarError(Exception):
+    """Base of every error fxstar raises deliberately."""
+
+
+class CaptureError(FxstarError):
+    """The model could not be captured as a graph.
+
+    Keeps the original exception (also chained as ``__cause__``), the module path and source
+    line where tracing failed, and a hint of what to try.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        original: BaseException | None = None,
+        module_path: str | None = None,
+        location: str | None = None,
+        hint: str | None = None,
+    ):
+        self.original = original
+        self.module_path = module_path
+        self.location = location
+        self.hint = hint
+        lines = [message]
+        if original is not None:
+            first = str(original).strip().splitlines()
+            lines.append(f"  error: {type(original).__name__}: {first[0] if first else ''}")
+        if module_path is not None:
+            lines.append(f"  module: {module_path or '(root)'}")
+        if location is not None:
+            lines.append(f"  at: {location}")
+        if hint:
+            lines.append(f"  try: {hint}")
+        super().__init__("\n".join(lines))
+
+
+class PassOrderError(FxstarError, ValueError):
+    """The passes asked for cannot be ordered: unknown names, duplicates, or a cycle."""
+
+
+class IRError(FxstarError, TypeError):
+    """A pass needs the export IR but the Program was captured another way."""
+
+
+class VerifyError(FxstarError, AssertionError):
+    """A pass changed the numerics (loss or a gradient) beyond its declared tolerance."""
+
+    def __init__(self, message: str, *, pass_name: str, tensor: str | None = None):
+        self.pass_name = pass_name
+        self.tensor = tensor
+        super().__init__(message)

@@ -1,0 +1,251 @@
+"""Passes: the Pass protocol, the registry, and the PassManager that orders and runs them.
+
+A pass is a callable on a Program that returns it (usually the same object, changed). It has
+a `name`, and declares `requires` (passes that must run before it; pulled in if not asked
+for), `before`/`after` (ordering against passes when both run), and `tolerance` (None: its
+result must be bitwise equal to the stage before under `plan.verify`; or (rtol, atol)).
+Analysis passes write `node.meta` (and `node.meta["fxstar_notes"]` for what dumps show);
+rewrite passes add or replace nodes. Passes never import the engine or runtime internals.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Sequence
+from graphlib import CycleError, TopologicalSorter
+from typing import Any, Protocol, runtime_checkable
+
+from fxstar.errors import IRError, PassOrderError
+from fxstar.program import EXPORT, Program
+
+__all__ = [
+    "FunctionPass",
+    "Pass",
+    "PassLike",
+    "PassManager",
+    "get",
+    "register",
+    "registered",
+    "unregister",
+]
+
+
+@runtime_checkable
+class PassLike(Protocol):
+    """What the PassManager needs of a pass; `Pass` is a convenient base class for it."""
+
+    name: str
+    requires: tuple[str, ...]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    tolerance: tuple[float, float] | None
+
+    def __call__(self, program: Program) -> Program: ...
+
+
+class Pass:
+    """Base class for passes: set the class attributes, implement `__call__`.
+
+    `needs_export_ir` makes the PassManager refuse Programs captured by symbolic_trace (whose
+    parameters are get_attr/call_module, not placeholders) with a clear IRError.
+    """
+
+    name: str = ""
+    requires: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    tolerance: tuple[float, float] | None = None
+    needs_export_ir: bool = True
+
+    def __call__(self, program: Program) -> Program:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"
+
+
+class FunctionPass(Pass):
+    """A plain function `f(program) -> program | None` made into a Pass."""
+
+    def __init__(
+        self,
+        fn: Callable[[Program], Program | None],
+        *,
+        name: str | None = None,
+        requires: Iterable[str] = (),
+        before: Iterable[str] = (),
+        after: Iterable[str] = (),
+        tolerance: tuple[float, float] | None = None,
+        needs_export_ir: bool = True,
+    ):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.requires, self.before, self.after = tuple(requires), tuple(before), tuple(after)
+        self.tolerance = tolerance
+        self.needs_export_ir = needs_export_ir
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, program: Program) -> Program:
+        result = self.fn(program)
+        return program if result is None else result
+
+
+_REGISTRY: dict[str, PassLike] = {}
+
+
+def register(obj: Any = None, /, *, replace: bool = False, **options: Any) -> Any:
+    """Register a pass by name; usable as `@register`, `@register(...)` or `register(p)`.
+
+    A class is instantiated without arguments; a function becomes a FunctionPass (keyword
+    options: name, requires, before, after, tolerance, needs_export_ir); an instance is
+    registered as is. A name already taken is an error unless `replace=True`.
+    Returns what it was given, so decorated classes and functions stay usable.
+    """
+
+    def add(target: Any) -> Any:
+        if isinstance(target, type):
+            instance = target()
+        elif isinstance(target, PassLike):
+            instance = target
+        elif callable(target):
+            instance = FunctionPass(target, **options)
+        else:
+            raise TypeError(f"cannot register {target!r} as a pass")
+        if not isinstance(instance, PassLike) or not instance.name:
+            raise TypeError(f"{target!r} is not a pass: it needs a name and the Pass attributes")
+        if instance.name in _REGISTRY and not replace:
+            raise ValueError(f"a pass named {instance.name!r} is already registered")
+        _REGISTRY[instance.name] = instance
+        return target
+
+    return add if obj is None else add(obj)
+
+
+def unregister(name: str) -> None:
+    """Remove a registered pass (tests and interactive sessions)."""
+    _REGISTRY.pop(name, None)
+
+
+def get(name: str) -> PassLike:
+    """The registered pass called `name`."""
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise PassOrderError(_unknown_message([name])) from None
+
+
+def registered() -> dict[str, PassLike]:
+    """Name -> pass of every registered pass."""
+    _load_builtins()
+    return dict(_REGISTRY)
+
+
+def _load_builtins() -> None:
+    from fxstar.passes import shape_memory  # noqa: F401  (registers itself)
+
+
+def _unknown_message(names: Sequence[str]) -> str:
+    known = ", ".join(sorted(_REGISTRY)) or "none"
+    return f"unknown pass name(s): {', '.join(names)}; registered passes: {known}"
+
+
+Check = Callable[[PassLike, Program], None]
+
+
+class PassManager:
+    """Orders passes by their constraints and runs them, recording a stage after each.
+
+    Passes are given by name (looked up in the registry) or as pass objects. Required passes
+    are added; among passes with no constraint between them the given order is kept.
+    Unknown names, duplicates and cycles raise PassOrderError naming the passes involved.
+    """
+
+    def __init__(self, passes: Iterable[str | PassLike] = ()):
+        _load_builtins()
+        self.passes = self._resolve(list(passes))
+        self.order = self._sort(self.passes)
+
+    @staticmethod
+    def _resolve(items: list[str | PassLike]) -> list[PassLike]:
+        chosen: dict[str, PassLike] = {}
+        unknown = [i for i in items if isinstance(i, str) and i not in _REGISTRY]
+        if unknown:
+            raise PassOrderError(_unknown_message(unknown))
+        for item in items:
+            p = _REGISTRY[item] if isinstance(item, str) else item
+            if p.name in chosen:
+                raise PassOrderError(f"pass {p.name!r} is listed twice")
+            chosen[p.name] = p
+        pending = list(chosen.values())
+        while pending:  # pull in what is required, transitively
+            p = pending.pop()
+            missing = [r for r in p.requires if r not in chosen and r not in _REGISTRY]
+            if missing:
+                raise PassOrderError(f"pass {p.name!r} requires {_unknown_message(missing)}")
+            for r in p.requires:
+                if r not in chosen:
+                    chosen[r] = _REGISTRY[r]
+                    pending.append(chosen[r])
+        for p in chosen.values():
+            bad = [n for n in (*p.before, *p.after) if n not in chosen and n not in _REGISTRY]
+            if bad:
+                raise PassOrderError(f"pass {p.name!r} orders against {_unknown_message(bad)}")
+        return list(chosen.values())
+
+    @staticmethod
+    def _sort(passes: list[PassLike]) -> list[PassLike]:
+        names = {p.name: i for i, p in enumerate(passes)}
+        preds: dict[str, set[str]] = {p.name: set() for p in passes}
+        for p in passes:
+            for other in (*p.requires, *p.after):
+                if other in names:
+                    preds[p.name].add(other)
+            for other in p.before:
+                if other in names:
+                    preds[other].add(p.name)
+        try:
+            TopologicalSorter(preds).prepare()
+        except CycleError as error:
+            cycle = " -> ".join(error.args[1])
+            raise PassOrderError(f"passes form an ordering cycle: {cycle}") from None
+        # Kahn's algorithm, smallest given position first: a stable topological order.
+        waiting = {n: set(s) for n, s in preds.items()}
+        ready = [(names[n], n) for n, s in waiting.items() if not s]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, name = heapq.heappop(ready)
+            order.append(passes[names[name]])
+            for other, s in waiting.items():
+                if name in s:
+                    s.discard(name)
+                    if not s:
+                        heapq.heappush(ready, (names[other], other))
+        return order
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.order]
+
+    def run(self, program: Program, *, check: Check | None = None) -> Program:
+        """Run every pass in order, record a stage after each, then call `check(pass, program)`.
+
+        `check` is how verification hooks in (see fxstar.verify) without passes knowing it.
+        """
+        for p in self.order:
+            if getattr(p, "needs_export_ir", True) and program.ir != EXPORT:
+                raise IRError(
+                    f"pass {p.name!r} needs the torch.export IR (parameters as placeholders), "
+                    f"but the program was captured with {program.ir}; capture with "
+                    "method='export' or drop the pass"
+                )
+            result = p(program)
+            program = program if result is None else result
+            program.record(p.name)
+            if check is not None:
+                check(p, program)
+        return program
+
+    def __repr__(self) -> str:
+        return f"PassManager({self.names})"

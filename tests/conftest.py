@@ -1,0 +1,65 @@
+"""Shared small models: the example GPT, and transformers GPT-2 / Llama from tiny configs.
+
+Nothing is downloaded: transformers models are built from configs in code. Tests that need
+transformers skip cleanly when it is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+VOCAB, BATCH, SEQ = 64, 2, 16
+
+
+def tiny_gpt(seed: int = 0, dropout: float = 0.1) -> torch.nn.Module:
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,
+                    dropout=dropout)  # fmt: skip
+    return GPT(cfg)
+
+
+def hf_gpt2(seed: int = 0) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ * 2, n_embd=32, n_layer=2, n_head=2,
+        use_cache=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def hf_llama(seed: int = 0) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ * 2,
+        tie_word_embeddings=True, use_cache=False, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+def tokens(seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): two distinct integer tensors."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, VOCAB, (batch, seq), generator=g),
+        torch.randint(0, VOCAB, (batch, seq), generator=g),
+    )
+
+
+@pytest.fixture
+def gpt_factory():
+    return tiny_gpt

@@ -1,0 +1,45 @@
+import torch
+from conftest import tiny_gpt, tokens
+
+from fxstar.capture import capture
+from fxstar.dump import dump
+from fxstar.passes import PassManager
+from fxstar.passes.shape_memory import META_KEY, MemoryReport, NodeMemory
+
+
+def _run():
+    program = capture(tiny_gpt(), tokens())
+    return PassManager(["shape_memory"]).run(program)
+
+
+def test_per_node_output_and_saved_bytes():
+    program = _run()
+    nodes = {n.name: n for n in program.graph_module.graph.nodes}
+    linear = nodes["linear"].meta[META_KEY]
+    assert isinstance(linear, NodeMemory)
+    assert linear.out_bytes == 2 * 16 * 96 * 4
+    assert linear.saved_bytes == 2 * 16 * 32 * 4  # its input; the weight counts apart
+    assert linear.saved_param_bytes > 0
+    assert nodes["gelu"].meta[META_KEY].saved_bytes == 2 * 16 * 128 * 4
+    assert nodes["linear"].meta["fxstar_notes"]["out"] == "12KiB"
+    assert "out=12KiB saved=4KiB" in dump(program)
+
+
+def test_totals_and_blocks():
+    program = _run()
+    report = program.meta[META_KEY]
+    assert isinstance(report, MemoryReport)
+    mems = [n.meta[META_KEY] for n in program.graph_module.graph.nodes if META_KEY in n.meta]
+    assert report.out_bytes == sum(m.out_bytes for m in mems)
+    assert report.saved_bytes == sum(b.saved_bytes for b in report.blocks.values())
+    assert {"h.0", "h.1", "wte", "head"} <= set(report.blocks)
+    assert report.blocks["h.0"].saved_bytes == report.blocks["h.1"].saved_bytes
+    assert "total" in report.format()
+
+
+def test_measuring_leaves_rng_and_model_untouched():
+    program = capture(tiny_gpt(), tokens())
+    state = torch.random.get_rng_state()
+    PassManager(["shape_memory"]).run(program)
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert all(p.grad is None for p in program.model.parameters())

@@ -1,0 +1,129 @@
+import pytest
+import torch
+from conftest import hf_gpt2, hf_llama, tiny_gpt, tokens
+from torch import nn
+
+from fxstar.capture import capture
+from fxstar.errors import CaptureError
+from fxstar.plan import Plan
+
+
+def test_capture_records_stage_and_program_parts():
+    model = tiny_gpt()
+    program = capture(model, tokens())
+    assert [s.name for s in program.stages] == ["capture"]
+    assert program.ir == "export" and program.training
+    kinds = {slot.kind for slot in program.inputs}
+    assert kinds == {"parameter", "input"}
+    assert "aten.linear(" in program.stages[0].text
+
+
+def test_tied_parameters_are_one_entry_with_every_alias():
+    program = capture(tiny_gpt(), tokens())
+    info = program.param("head.weight")
+    assert info.name == "wte.weight"
+    assert info.aliases == ("wte.weight", "head.weight")
+    assert set(info.placeholders) == {"p_wte_weight", "p_head_weight"}
+    assert len(program.params) == len(list(tiny_gpt().parameters()))
+    assert info.first_use == "embedding" and info.last_use.startswith("linear")
+
+
+def test_param_table_follows_execution_order():
+    program = capture(tiny_gpt(), tokens())
+    order = {n.name: i for i, n in enumerate(program.graph_module.graph.nodes)}
+    firsts = [order[p.first_use] for p in program.params]
+    assert firsts == sorted(firsts)
+    assert program.params[-1].name.startswith("ln_f")
+
+
+def test_llama_buffers_are_fed_from_the_model():
+    program = capture(hf_llama(), (), {"input_ids": tokens()[0], "labels": tokens()[1]})
+    buffers = [s.target for s in program.inputs if s.kind == "buffer"]
+    assert "model.rotary_emb.inv_freq" in buffers
+    out = program.run((), {"input_ids": tokens()[0], "labels": tokens()[1]})
+    assert out.loss.dim() == 0
+
+
+def test_identical_inputs_are_captured_as_distinct_placeholders():
+    model = tiny_gpt(dropout=0.0)
+    idx, other = tokens()
+    program = capture(model, (idx, idx))
+    # The capture must not merge idx and targets: feeding different targets must matter.
+    assert not torch.equal(program.run((idx, idx)), program.run((idx, other)))
+    assert torch.equal(program.run((idx, other)), model(idx, other))
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x).sum()
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:  # value-dependent branch: not capturable
+            return y
+        return -y
+
+
+def test_capture_error_names_module_line_and_hint():
+    with pytest.raises(CaptureError) as info:
+        capture(Branchy(), (torch.randn(2, 4),))
+    error = info.value
+    assert error.module_path == "inner"
+    assert error.location is not None and "test_capture.py" in error.location
+    assert "y.sum() > 0" in error.location
+    assert "torch.where" in error.hint
+    assert error.original is error.__cause__ and error.original is not None
+    assert "module: inner" in str(error)
+
+
+def test_capture_error_for_a_cache_suggests_use_cache_false():
+    model = hf_gpt2()
+    model.config.use_cache = True
+    ids, labels = tokens()
+    with pytest.raises(CaptureError) as info:
+        capture(model, (), {"input_ids": ids, "labels": labels})
+    assert "use_cache" in info.value.hint
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).pow(2).mean()
+
+
+def test_symbolic_trace_fallback_runs_identically():
+    torch.manual_seed(0)
+    model = Mlp()
+    x = torch.randn(4, 8)
+    program = capture(model, (x,), method="symbolic_trace")
+    assert program.ir == "symbolic_trace"
+    assert {p.name for p in program.params} == {n for n, _ in model.named_parameters()}
+    assert program.param("fc1.weight").first_use == "fc1"
+    assert "self.fc1(x)" in program.stages[0].text
+    assert torch.equal(program.run((x,)), model(x))
+
+
+def test_loss_fn_wrapper_keeps_model_names():
+    model = tiny_gpt(dropout=0.0)
+    plan = Plan(
+        loss_fn=lambda logits, t: nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten())
+    )
+    idx, targets = tokens()
+    program = capture(model, (idx, targets), plan=plan)
+    assert program.param("wte.weight").aliases == ("wte.weight", "head.weight")
+    assert all(not s.target.startswith("model.") for s in program.inputs if s.target)
+    assert torch.equal(program.run((idx, targets)), model(idx, targets))

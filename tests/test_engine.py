@@ -1,0 +1,199 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import VOCAB, hf_gpt2, hf_llama, tiny_gpt, tokens
+from torch import nn
+
+from fxstar.engine import Engine, compile
+from fxstar.plan import Plan
+
+
+def _call(kind, model, ids, targets):
+    if kind == "gpt":
+        return model(ids, targets)
+    return model(input_ids=ids, labels=targets).loss
+
+
+FACTORIES = {"gpt": tiny_gpt, "gpt2": hf_gpt2, "llama": hf_llama}
+
+
+def _example(kind, ids, targets):
+    if kind == "gpt":
+        return {"example_inputs": (ids, targets)}
+    return {"example_kwargs": {"input_ids": ids, "labels": targets}}
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_loss_and_every_gradient_bitwise_equal_to_eager(kind):
+    ids, targets = tokens()
+    eager, model = FACTORIES[kind](), FACTORIES[kind]()
+    engine = compile(model, Plan(), **_example(kind, ids, targets))
+    assert isinstance(engine, Engine) and isinstance(engine, nn.Module)
+    torch.manual_seed(7)
+    expected = _call(kind, eager, ids, targets)
+    expected.backward()
+    torch.manual_seed(7)
+    loss = _call(kind, engine, ids, targets)
+    loss.backward()
+    assert torch.equal(loss, expected)
+    for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_five_adamw_steps_give_identical_losses(kind):
+    plan = Plan(optimizer={"type": "adamw", "lr": 1e-2, "weight_decay": 0.1})
+    eager, model = FACTORIES[kind](), FACTORIES[kind]()
+    engine = compile(model, plan)
+    decay = [p for n, p in eager.named_parameters() if plan.optimizer.decays(n)]
+    no_decay = [p for n, p in eager.named_parameters() if not plan.optimizer.decays(n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+    )
+    for step in range(5):
+        ids, targets = tokens(seed=step)
+        torch.manual_seed(step)
+        expected = _call(kind, eager, ids, targets)
+        expected.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss = _call(kind, engine, ids, targets)
+        loss.backward()
+        assert engine.step()
+        assert torch.equal(loss, expected), step
+    for p, q in zip(eager.parameters(), engine.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_parameters_are_the_models_with_its_names():
+    model = tiny_gpt()
+    engine = compile(model, example_inputs=tokens())
+    assert list(engine.named_parameters()) == list(model.named_parameters())
+    assert all(p is q for p, q in zip(engine.parameters(), model.parameters(), strict=True))
+    assert engine.state_dict().keys() == model.state_dict().keys()
+    engine.load_state_dict(model.state_dict())
+
+
+def test_new_shapes_recapture_and_share_parameters():
+    model, eager = tiny_gpt(), tiny_gpt()
+    engine = compile(model, example_inputs=tokens())
+    for batch, seq in [(1, 16), (2, 8), (1, 16)]:
+        ids, targets = tokens(batch=batch, seq=seq)
+        torch.manual_seed(3)
+        loss = engine(ids, targets)
+        loss.backward()
+        torch.manual_seed(3)
+        expected = eager(ids, targets)
+        expected.backward()
+        assert torch.equal(loss, expected)
+    assert len(engine.programs) == 3
+    assert all(p.model is model for p in engine.programs.values())
+    for p, q in zip(eager.parameters(), engine.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # accumulated over all shapes, in the model
+
+
+def test_dynamic_shapes_share_one_capture():
+    batch = torch.export.Dim("batch", min=1, max=64)
+    model = tiny_gpt(dropout=0.0)
+    engine = compile(model, example_inputs=tokens(),
+                     dynamic_shapes=({0: batch}, {0: batch}))  # fmt: skip
+    ids, targets = tokens(batch=5)
+    assert torch.equal(engine(ids, targets), model(ids, targets))
+    assert len(engine.programs) == 1
+
+
+def test_eval_and_no_grad():
+    model = tiny_gpt()
+    engine = compile(model, example_inputs=tokens())
+    ids, targets = tokens()
+    engine.eval()
+    assert not model.training
+    with torch.no_grad():
+        first, second = engine(ids, targets), engine(ids, targets)
+    assert first.grad_fn is None
+    assert torch.equal(first, second)  # dropout is off
+    assert torch.equal(first, model(ids, targets))
+    assert len(engine.programs) == 2
+    engine.train()
+    assert model.training and engine(ids, targets).requires_grad
+
+
+def test_logits_model_with_plan_loss_fn():
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    model, eager = tiny_gpt(), tiny_gpt()
+    ids, targets = tokens()
+    engine = compile(model, Plan(loss_fn=loss_fn), example_inputs=(ids, targets))
+    torch.manual_seed(1)
+    loss = engine(ids, targets)
+    loss.backward()
+    torch.manual_seed(1)
+    expected = loss_fn(eager(ids), targets)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert [n for n, _ in engine.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert torch.equal(model.h[0].mlp.c_fc.weight.grad, eager.h[0].mlp.c_fc.weight.grad)
+
+
+def test_model_returning_a_tuple_returns_the_tuple():
+    class TupleModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y.square().mean(), {"out": y}
+
+    torch.manual_seed(0)
+    model = TupleModel()
+    x = torch.randn(3, 4)
+    loss, extra = compile(model, example_inputs=(x,))(x)
+    assert torch.equal(loss, model(x)[0]) and torch.equal(extra["out"], model(x)[1]["out"])
+
+
+def test_accumulation_and_clipping():
+    plan = Plan(optimizer={"type": "sgd", "lr": 0.1, "betas": (0.0, 0.0),
+                           "accumulation_steps": 2, "clip_grad_norm": 1e-3})  # fmt: skip
+    model = tiny_gpt(dropout=0.0)
+    engine = compile(model, plan)
+    before = model.wpe.weight.detach().clone()
+    for step in range(2):
+        engine(*tokens(seed=step)).backward()
+        stepped = engine.step()
+        assert stepped == (step == 1)
+        if not stepped:
+            assert model.wpe.weight.grad is not None
+    assert all(p.grad is None for p in model.parameters())
+    moved = (model.wpe.weight - before).norm()
+    assert 0 < moved <= 0.1 * 1e-3 * 1.001  # clipped global norm times lr
+
+
+def test_unimplemented_plan_options_are_refused():
+    with pytest.raises(NotImplementedError, match="device_memory"):
+        compile(tiny_gpt(), Plan(device_memory="1GiB"))
+
+
+def test_report_mentions_parameters_and_memory():
+    engine = compile(tiny_gpt(), Plan(passes=["shape_memory"]), example_inputs=tokens())
+    text = engine.report()
+    assert "28 parameter tensors" in text and "1 tied" in text
+    assert "h.0" in text and "saved for backward" in text
+
+
+def test_symbolic_trace_engine_runs_identity():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(3, 4)
+    engine = compile(model, example_inputs=x, method="symbolic_trace")
+    assert engine.program.ir == "symbolic_trace"
+    engine(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="verify needs method='export'"):
+        compile(model, Plan(verify=True), method="symbolic_trace")

@@ -1,0 +1,37 @@
+import importlib.util
+import os
+import sys
+
+from conftest import EXAMPLES
+
+from fxstar import passes
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        f"example_{name}", os.path.join(EXAMPLES, f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpt_example_trains(capsys):
+    _load("gpt").main()
+    losses = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+def test_custom_pass_shows_in_dump_and_diff(capsys):
+    module = _load("custom_pass")
+    try:
+        assert passes.get("linear_flops").after == ("shape_memory",)
+        module.main()
+        out = capsys.readouterr().out
+        assert "# stage 2: linear_flops (after capture, shape_memory)" in out
+        assert "+++ stage 2: linear_flops" in out
+        assert "flops=131,072 @head" in out
+        assert "linear FLOPs per forward: 1,703,936" in out
+    finally:
+        passes.unregister("linear_flops")
