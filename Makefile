@@ -16,11 +16,20 @@ test: $(BUILT)
 test-all: $(BUILT)
 	$(BIN)/python -m pytest -m ''
 
+# The main job: train the reference GPT through fxstar, then show the compiler's view of it.
 demo: $(BUILT)
-	$(BIN)/python benchmarks/adam.py --sizes 1M,16M --rounds 3
+	$(BIN)/fxstar train --steps 200
+	$(BIN)/fxstar plan fxstar.models.gpt:tiny
+	@mkdir -p build
+	$(BIN)/fxstar diff fxstar.models.gpt:tiny capture shape_memory --passes shape_memory \
+		> build/demo_diff.txt
+	@head -n 24 build/demo_diff.txt; echo "... (the whole diff: build/demo_diff.txt)"
+	$(BIN)/python examples/custom_pass.py > build/demo_custom_pass.txt
+	@tail -n 1 build/demo_custom_pass.txt
 
 bench: $(BUILT)
 	$(BIN)/python benchmarks/adam.py
+	$(BIN)/python benchmarks/compile.py
 
 lint: $(BUILT)
 	$(BIN)/ruff check fxstar tests benchmarks examples

@@ -6,16 +6,11 @@ the built-in `shape_memory`; its notes show in `fxstar.dump` and `fxstar.diff`.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
 from fxstar import passes
 from fxstar.dump import NOTES_KEY, diff, dump
 from fxstar.program import Program
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @passes.register(name="linear_flops", after=("shape_memory",), replace=True)
@@ -33,9 +28,8 @@ def linear_flops(program: Program) -> Program:
 
 
 def main() -> None:
-    from gpt import GPT, GPTConfig
-
     from fxstar.engine import compile
+    from fxstar.models.gpt import GPT, GPTConfig
     from fxstar.plan import Plan
 
     torch.manual_seed(0)

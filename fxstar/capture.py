@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import linecache
 import os
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -66,6 +67,7 @@ def capture(
     With `plan.loss_fn` set, the model is wrapped in a LossWrapper (the targets are the last
     positional argument). The model is captured in its current training mode.
     """
+    start = time.perf_counter()
     kwargs = dict(kwargs or {})
     loss_fn = getattr(plan, "loss_fn", None)
     root: nn.Module = LossWrapper(model, loss_fn) if loss_fn is not None else model
@@ -78,6 +80,7 @@ def capture(
         raise ValueError(f"method must be {EXPORT!r} or {SYMBOLIC_TRACE!r}, got {method!r}")
     program.refresh_param_uses()
     program.record("capture")
+    program.timings["capture"] = time.perf_counter() - start
     return program
 
 
@@ -86,10 +89,12 @@ def capture(
 
 def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> Program:
     args, kwargs = _distinct_tensors(args, kwargs)
+    start = time.perf_counter()
     try:
         ep = torch.export.export(root, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # noqa: BLE001 - any failure becomes a CaptureError
         raise _capture_error(error, root, prefix) from error
+    export_seconds = time.perf_counter() - start
 
     def model_name(target: str) -> str:
         return target[len(prefix) :] if prefix and target.startswith(prefix) else target
@@ -137,6 +142,7 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
         example_args=tuple(args),
         example_kwargs=kwargs,
         training=model.training,
+        timings={"export": export_seconds},
     )
     program.params = _param_table(
         model, [(s.node, s.target) for s in inputs if s.kind == "parameter"]

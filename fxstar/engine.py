@@ -180,6 +180,10 @@ class Engine(nn.Module):
         )
         lines.append(f"captures: {len(self.programs)} (one per input signature and mode)")
         lines.append("passes: " + (", ".join(self.pass_manager.names) or "none"))
+        lines.append(
+            "compile time: "
+            + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in program.timings.items())
+        )
         report = program.meta.get(META_KEY)
         if report is not None:
             lines.append(report.format())

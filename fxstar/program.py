@@ -99,6 +99,8 @@ class Program:
     training: bool = True
     stages: list[Stage] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    # seconds spent per compile phase: "export", then "capture" (all of capture), then each pass
+    timings: dict[str, float] = field(default_factory=dict)
 
     # -- parameters -----------------------------------------------------------------------------
 

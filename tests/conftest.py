@@ -6,22 +6,14 @@ transformers skip cleanly when it is not installed.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)
 
 VOCAB, BATCH, SEQ = 64, 2, 16
 
 
 def tiny_gpt(seed: int = 0, dropout: float = 0.1) -> torch.nn.Module:
-    from gpt import GPT, GPTConfig
+    from fxstar.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,

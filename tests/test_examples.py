@@ -1,10 +1,12 @@
+"""The examples run as a user would run them."""
+
 import importlib.util
 import os
 import sys
 
-from conftest import EXAMPLES
-
 from fxstar import passes
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def _load(name):

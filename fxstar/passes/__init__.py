@@ -11,6 +11,7 @@ rewrite passes add or replace nodes. Passes never import the engine or runtime i
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Iterable, Sequence
 from graphlib import CycleError, TopologicalSorter
 from typing import Any, Protocol, runtime_checkable
@@ -240,9 +241,11 @@ class PassManager:
                     f"but the program was captured with {program.ir}; capture with "
                     "method='export' or drop the pass"
                 )
+            start = time.perf_counter()
             result = p(program)
             program = program if result is None else result
             program.record(p.name)
+            program.timings[p.name] = time.perf_counter() - start
             if check is not None:
                 check(p, program)
         return program

@@ -1,0 +1,1 @@
+"""Reference models that ship with fxstar (its examples, tests and benchmarks use them)."""
