@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxstar.capture import capture
-from fxstar.passes import PassManager
+from fxstar.passes import PassManager, load_builtins, passes_for
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import EXPORT, Program
 from fxstar.sizes import format_size
@@ -55,7 +55,7 @@ class Engine(nn.Module):
         self.plan = plan
         self.dynamic_shapes = dynamic_shapes
         self.method = method
-        self.pass_manager = PassManager(plan.passes)
+        self.pass_manager = PassManager(passes_for(plan))
         self.programs: dict[tuple, Program] = {}
         self.training = model.training
         self.optimizer = _make_optimizer(model, plan.optimizer)
@@ -232,6 +232,7 @@ def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
     from fxstar.plan import Plan
 
     plan = Plan() if plan is None else plan
+    load_builtins()  # passes mark the plan options they implement when imported
     plan.check_implemented()
     if plan.seed is not None:
         torch.manual_seed(plan.seed)

@@ -4,6 +4,9 @@ A pass is a callable on a Program that returns it (usually the same object, chan
 a `name`, and declares `requires` (passes that must run before it; pulled in if not asked
 for), `before`/`after` (ordering against passes when both run), and `tolerance` (None: its
 result must be bitwise equal to the stage before under `plan.verify`; or (rtol, atol)).
+A built-in pass that a plan option turns on (`checkpoint="blocks"` -> the checkpoint pass)
+says so in `enabled_by(plan)`; `passes_for(plan)` adds those to what `plan.passes` lists.
+Every module of this package is a built-in pass and is imported with it.
 Analysis passes write `node.meta` (and `node.meta["fxstar_notes"]` for what dumps show);
 rewrite passes add or replace nodes. Passes never import the engine or runtime internals.
 """
@@ -11,6 +14,8 @@ rewrite passes add or replace nodes. Passes never import the engine or runtime i
 from __future__ import annotations
 
 import heapq
+import importlib
+import pkgutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from graphlib import CycleError, TopologicalSorter
@@ -25,6 +30,8 @@ __all__ = [
     "PassLike",
     "PassManager",
     "get",
+    "load_builtins",
+    "passes_for",
     "register",
     "registered",
     "unregister",
@@ -57,6 +64,10 @@ class Pass:
     after: tuple[str, ...] = ()
     tolerance: tuple[float, float] | None = None
     needs_export_ir: bool = True
+
+    def enabled_by(self, plan: Any) -> bool:
+        """True when the plan's options ask for this pass without naming it in plan.passes."""
+        return False
 
     def __call__(self, program: Program) -> Program:
         raise NotImplementedError
@@ -129,7 +140,7 @@ def unregister(name: str) -> None:
 
 def get(name: str) -> PassLike:
     """The registered pass called `name`."""
-    _load_builtins()
+    load_builtins()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -138,12 +149,28 @@ def get(name: str) -> PassLike:
 
 def registered() -> dict[str, PassLike]:
     """Name -> pass of every registered pass."""
-    _load_builtins()
+    load_builtins()
     return dict(_REGISTRY)
 
 
-def _load_builtins() -> None:
-    from fxstar.passes import shape_memory  # noqa: F401  (registers itself)
+def load_builtins() -> None:
+    """Import every module of fxstar.passes: each registers its pass (and marks the plan
+    options it implements) on import."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+
+def passes_for(plan: Any) -> list[str | PassLike]:
+    """What runs under `plan`: the passes it names, then the built-ins its options enable."""
+    load_builtins()
+    named = list(plan.passes)
+    enabled = [
+        name
+        for name, p in _REGISTRY.items()
+        if name not in named and getattr(p, "enabled_by", lambda _plan: False)(plan)
+    ]
+    return [*named, *enabled]
 
 
 def _unknown_message(names: Sequence[str]) -> str:
@@ -163,7 +190,7 @@ class PassManager:
     """
 
     def __init__(self, passes: Iterable[str | PassLike] = ()):
-        _load_builtins()
+        load_builtins()
         self.passes = self._resolve(list(passes))
         self.order = self._sort(self.passes)
 

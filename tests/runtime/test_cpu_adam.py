@@ -243,18 +243,5 @@ def test_meta_tensors_are_refused_cleanly():
 
 def test_empty_buffers_are_a_no_op():
     empty = torch.zeros(0)
-    _C.adam_step(
-        empty,
-        torch.zeros(0),
-        torch.zeros(0),
-        torch.zeros(0),
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.0,
-        step=1,
-        adamw=True,
-        num_threads=1,
-    )
+    call(param=empty, grad=torch.zeros(0), exp_avg=torch.zeros(0), exp_avg_sq=torch.zeros(0))
     assert cpu_adam.grad_stats(empty) == (0.0, True)
