@@ -160,7 +160,6 @@ def load_builtins() -> None:
         importlib.import_module(f"{__name__}.{module.name}")
 
 
-
 def passes_for(plan: Any) -> list[str | PassLike]:
     """What runs under `plan`: the passes it names, then the built-ins its options enable."""
     load_builtins()

@@ -95,3 +95,27 @@ def test_rewrite_passes_refuse_symbolic_trace_programs(registry):
     with pytest.raises(IRError, match="t_rewrite.*export IR"):
         PassManager(["t_rewrite"]).run(program)
     assert PassManager(["shape_memory"]).run(program).stages[-1].name == "shape_memory"
+
+
+def test_plan_options_enable_built_in_passes():
+    class Seeded(Pass):
+        name = "t_seeded"
+
+        def enabled_by(self, plan):
+            return plan.seed == 123
+
+        def __call__(self, program):
+            return program
+
+    from fxstar.plan import Plan
+
+    passes.register(Seeded)
+    try:
+        assert "t_seeded" not in passes.passes_for(Plan())
+        assert passes.passes_for(Plan(seed=123, passes=["shape_memory"])) == [
+            "shape_memory",
+            "t_seeded",
+        ]
+        assert passes.passes_for(Plan(seed=123, passes=["t_seeded"])) == ["t_seeded"]
+    finally:
+        passes.unregister("t_seeded")
