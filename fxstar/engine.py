@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxstar.capture import capture
+from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, load_builtins, passes_for
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import EXPORT, Program
@@ -58,7 +59,8 @@ class Engine(nn.Module):
         self.pass_manager = PassManager(passes_for(plan))
         self.programs: dict[tuple, Program] = {}
         self.training = model.training
-        self.optimizer = _make_optimizer(model, plan.optimizer)
+        self.store = ParameterStore(model)
+        self._optimizer: torch.optim.Optimizer | None = None
         self._micro_steps = 0
         if plan.verify and method != EXPORT:
             raise ValueError("plan.verify needs method='export' (it feeds cloned parameters)")
@@ -103,6 +105,7 @@ class Engine(nn.Module):
                 dynamic_shapes=self.dynamic_shapes,
                 method=self.method,
             )
+        program.store = self.store
         check = None
         if self.plan.verify:
             check = Verifier(
@@ -121,6 +124,14 @@ class Engine(nn.Module):
 
     # -- optimizer ------------------------------------------------------------------------------
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The plan's optimizer over `engine.parameters()`, made on first use: passes may
+        replace parameters (tiles, shards, chunk views) while compiling."""
+        if self._optimizer is None:
+            self._optimizer = _make_optimizer(self.store, self.plan.optimizer)
+        return self._optimizer
+
     def step(self) -> bool:
         """One optimizer step every `accumulation_steps` calls (gradients summed meanwhile),
         with gradient clipping if planned, then gradients zeroed. True when it stepped."""
@@ -129,9 +140,9 @@ class Engine(nn.Module):
         if self._micro_steps % opt.accumulation_steps:
             return False
         if opt.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), opt.clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_(list(self.parameters()), opt.clip_grad_norm)
         self.optimizer.step()
-        self.model.zero_grad(set_to_none=True)
+        self.zero_grad(set_to_none=True)
         return True
 
     # -- nn.Module plumbing: the model's parameters, names, state and mode -------------------
@@ -139,15 +150,20 @@ class Engine(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+        if not remove_duplicate:
+            raise ValueError("an Engine lists each trained tensor once (remove_duplicate=True)")
+        for name, p in self.store.named_parameters():
+            yield prefix + name, p
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return self.model.named_buffers(prefix, recurse, remove_duplicate)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.model.state_dict(*args, **kwargs)
+    def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The model's keys and shapes, whatever passes did to the parameters."""
+        state = self.store.state_dict()
+        return {prefix + k: v for k, v in state.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
@@ -158,7 +174,13 @@ class Engine(nn.Module):
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
+        for _, p in self.store.named_parameters():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
 
     def _apply(self, fn, recurse: bool = True):
         self.model._apply(fn, recurse)
@@ -195,12 +217,13 @@ class Engine(nn.Module):
         return f"model={type(self.model).__name__}, passes={self.pass_manager.names}"
 
 
-def _make_optimizer(model: nn.Module, opt: Any) -> torch.optim.Optimizer:
-    """The plan's torch optimizer, with no_decay parameters in a group of their own."""
+def _make_optimizer(store: ParameterStore, opt: Any) -> torch.optim.Optimizer:
+    """The plan's torch optimizer, with no_decay parameters in a group of their own; name
+    patterns match the model's names (a tile matches what it was cut from)."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in store.named_parameters():
         if p.requires_grad:
-            (decay if opt.decays(name) else no_decay).append(p)
+            (decay if opt.decays(store.origin(name)) else no_decay).append(p)
     groups = [
         {"params": ps, "weight_decay": wd}
         for ps, wd in ((decay, opt.weight_decay), (no_decay, 0.0))

@@ -15,6 +15,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from fxstar.params import ParameterStore
+
 __all__ = ["InputSlot", "ParamInfo", "Program", "Stage"]
 
 EXPORT = "export"
@@ -101,6 +103,9 @@ class Program:
     meta: dict[str, Any] = field(default_factory=dict)
     # seconds spent per compile phase: "export", then "capture" (all of capture), then each pass
     timings: dict[str, float] = field(default_factory=dict)
+    # what parameter/buffer placeholders are fed from; the Engine's store, shared by its
+    # captures (None: the model's own tensors)
+    store: ParameterStore | None = None
 
     # -- parameters -----------------------------------------------------------------------------
 
@@ -114,6 +119,24 @@ class Program:
     @property
     def param_bytes(self) -> int:
         return sum(p.nbytes for p in self.params)
+
+    def add_input(self, kind: str, target: str, name: str) -> fx.Node:
+        """A new placeholder (after the existing ones) fed from `target`: a parameter or
+        buffer name of the store, or a key of `constants`. Rewrite passes use it to feed
+        tensors they derived (tiles, shards)."""
+        graph = self.graph_module.graph
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
+            node = graph.placeholder(name)
+        self.inputs.append(InputSlot(kind, node.name, target))
+        return node
+
+    def remove_input(self, node: fx.Node) -> None:
+        """Drop a placeholder nobody reads any more, and what fed it."""
+        if node.users:
+            raise ValueError(f"placeholder {node.name} still has users: {list(node.users)}")
+        self.inputs = [slot for slot in self.inputs if slot.node != node.name]
+        self.graph_module.graph.erase_node(node)
 
     def placeholder_kinds(self) -> dict[str, InputSlot]:
         """Placeholder node name -> the slot that feeds it."""
@@ -168,7 +191,10 @@ class Program:
     # -- running --------------------------------------------------------------------------------
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
-        """The model's parameters and buffers by every name (aliases included)."""
+        """The tensors fed by name: the store's, else the model's parameters and buffers
+        by every name (aliases included)."""
+        if self.store is not None:
+            return self.store.tensors()
         tensors: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         tensors.update(self.model.named_buffers(remove_duplicate=False))
         return tensors
@@ -233,8 +259,14 @@ class Program:
                 flat.append(next(user))
             elif slot.kind == "constant":
                 flat.append(self.constants[slot.target])
-            else:
+            elif slot.target in tensors:
                 flat.append(tensors[slot.target])
+            else:
+                raise KeyError(
+                    f"placeholder {slot.node} is fed from {slot.target!r}, which is not among "
+                    "the tensors fed (a pass that derives or removes a parameter must replace "
+                    "every use of its placeholder)"
+                )
         return flat
 
 
