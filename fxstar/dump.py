@@ -51,7 +51,24 @@ def format_graph(program: Program | fx.GraphModule) -> str:
     """One line per node of the program's graph as it is now (no header)."""
     gm = program if isinstance(program, fx.GraphModule) else program.graph_module
     slots = {} if isinstance(program, fx.GraphModule) else program.placeholder_kinds()
-    return "\n".join(_format_node(node, slots) for node in gm.graph.nodes) + "\n"
+    lines = []
+    for node in gm.graph.nodes:
+        lines.append(_format_node(node, slots))
+        lines += ["    " + line for line in _body_of(gm, node)]
+    return "\n".join(lines) + "\n"
+
+
+def _body_of(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """The lines of a submodule graph a call_function node runs (a checkpoint region),
+    printed indented under the call."""
+    if node.op != "call_function":
+        return []
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            sub = getattr(gm, str(arg.target), None)
+            if isinstance(sub, fx.GraphModule):
+                return format_graph(sub).splitlines()
+    return []
 
 
 def _format_node(node: fx.Node, slots: dict) -> str:
@@ -84,6 +101,8 @@ def target_name(target: Any) -> str:
     qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
     if module in ("_operator", "operator", "builtins", ""):
         return qualname
+    if module.startswith("fxstar.runtime."):  # fxstar's own graph ops: 'ops.fetch'
+        module = module.rsplit(".", 1)[-1]
     return f"{module}.{qualname}"
 
 
@@ -155,7 +174,7 @@ def _program(x: Any) -> Program:
 
 
 def _is_noise(line: str) -> bool:
-    match = _LINE.match(line)
+    match = _LINE.match("    " + line.lstrip())  # region bodies are indented deeper
     return match is not None and match["target"] in NOISE
 
 
@@ -236,7 +255,7 @@ def to_dot(x: Any, stage: int | str | None = None, *, show_noise: bool = False) 
     for line in dump(program, index, show_noise=show_noise).splitlines()[1:]:
         match = _LINE.match(line)
         if match is None:
-            if line.strip().startswith("return "):
+            if line.startswith("    return "):  # not a region body's return
                 out.append('  "output" [shape=oval];')
                 out += [f'  "{u}" -> "output";' for u in _names_in(line, known)]
             continue

@@ -24,8 +24,11 @@ from torch import nn
 from fxstar.capture import capture
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, load_builtins, passes_for
+from fxstar.passes.chunk_layout import LAYOUT_KEY
+from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import EXPORT, Program
+from fxstar.runtime.chunks import ChunkManager
 from fxstar.sizes import format_size
 from fxstar.verify import Verifier
 
@@ -60,7 +63,9 @@ class Engine(nn.Module):
         self.programs: dict[tuple, Program] = {}
         self.training = model.training
         self.store = ParameterStore(model)
+        self.shared: dict[str, Any] = {}  # engine-wide pass decisions (Program.shared)
         self._optimizer: torch.optim.Optimizer | None = None
+        self.chunks: ChunkManager | None = None  # set up by the chunk passes' first compile
         self._micro_steps = 0
         if plan.verify and method != EXPORT:
             raise ValueError("plan.verify needs method='export' (it feeds cloned parameters)")
@@ -68,7 +73,12 @@ class Engine(nn.Module):
     # -- running ------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.prepare(*args, **kwargs).run(args, kwargs)
+        program = self.prepare(*args, **kwargs)
+        plan = program.meta.get(PLAN_KEY)
+        if self.chunks is None or plan is None:
+            return program.run(args, kwargs)
+        with self.chunks.running(plan):
+            return program.run(args, kwargs)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for these inputs, captured (and passes run) if not cached yet."""
@@ -106,6 +116,7 @@ class Engine(nn.Module):
                 method=self.method,
             )
         program.store = self.store
+        program.shared = self.shared
         check = None
         if self.plan.verify:
             check = Verifier(
@@ -113,7 +124,35 @@ class Engine(nn.Module):
             )
             check.baseline()
             check(_CaptureCheck(), program)
-        return self.pass_manager.run(program, check=check)
+        program = self.pass_manager.run(program, check=check)
+        self._setup_chunks(program)
+        return program
+
+    def _setup_chunks(self, program: Program) -> None:
+        """Once per engine, after the chunk passes: the ChunkManager takes the parameters over.
+        The model's parameters become the stable views of the chunks' host homes, so the model,
+        the engine and any optimizer keep seeing one set of tensors."""
+        layout = program.meta.get(LAYOUT_KEY)
+        if layout is None or self.chunks is not None:
+            return
+        plan = self.plan
+        budget = plan.resolve_size("device_memory", program.param_bytes)
+        static = int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition else None
+        device = next(iter(self.store.tensors().values())).device
+        # On a GPU the arena shares the card with activations, so it leaves them their peak;
+        # on CPU-only machines activations live elsewhere and the share is enforced per moment.
+        nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
+        capacity = budget if device.type == "cpu" else budget - nonmodel
+        self.chunks = ChunkManager(
+            layout, self.store.tensors(), budget=budget, arena_capacity=capacity,
+            device=device, static_share=static, mem_cache=plan.mem_cache,
+        )  # fmt: skip
+        slots = layout.slots()
+        for name, stable in self.chunks.stable.items():
+            self.store.rebind(name, stable)
+            for alias in slots[name].aliases:
+                owner, _, attr = alias.rpartition(".")
+                setattr(self.model.get_submodule(owner), attr, stable)
 
     @property
     def program(self) -> Program:
@@ -206,11 +245,16 @@ class Engine(nn.Module):
             "compile time: "
             + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in program.timings.items())
         )
+        if self.chunks is not None:
+            lines.append(self.chunks.report())
         report = program.meta.get(META_KEY)
         if report is not None:
             lines.append(report.format())
         else:
             lines.append("activation memory: add 'shape_memory' to plan.passes to measure it")
+        # what passes want reported: strings, or callables read now (run-time counters)
+        for line in program.meta.get("report_lines", []):
+            lines.append(line() if callable(line) else str(line))
         return "\n".join(lines)
 
     def extra_repr(self) -> str:

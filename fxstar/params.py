@@ -12,7 +12,7 @@ parts the first one made, so every capture trains the same tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +107,26 @@ class ParameterStore:
             if name in derived.parts:
                 return original
         return name
+
+    def consolidate_grads(
+        self, grads: Mapping[str, torch.Tensor | None]
+    ) -> dict[str, torch.Tensor | None]:
+        """Gradients by fed name -> by the model's names: the parts' gradients of a derived
+        parameter glued like its values (a part without gradient counts as zeros), under every
+        alias; other names pass through."""
+        out = {n: g for n, g in grads.items() if self.origin(n) == n}
+        for canonical, derived in self._derived.items():
+            got = {n: grads.get(n) for n in derived.parts}
+            if all(g is None for g in got.values()):
+                glued = None
+            else:
+                glued = derived.consolidate(
+                    {n: torch.zeros_like(derived.parts[n]) if g is None else g
+                     for n, g in got.items()}  # fmt: skip
+                )
+            for alias in self.aliases(canonical):
+                out[alias] = glued
+        return out
 
     # -- what users and optimizers see ----------------------------------------------------------
 

@@ -51,6 +51,8 @@ class ParamInfo:
     requires_grad: bool = True
     first_use: str | None = None
     last_use: str | None = None
+    chunk: int | None = None  # where chunk_layout put it: chunk id and element offset
+    chunk_offset: int | None = None
 
     @property
     def numel(self) -> int:
@@ -106,6 +108,9 @@ class Program:
     # what parameter/buffer placeholders are fed from; the Engine's store, shared by its
     # captures (None: the model's own tensors)
     store: ParameterStore | None = None
+    # engine-wide decisions passes share across the captures of one engine (a chunk layout
+    # must be the same for every input shape); the Engine hands every Program the same dict
+    shared: dict[str, Any] = field(default_factory=dict)
 
     # -- parameters -----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fxstar.errors import VerifyError
+from fxstar.params import ParameterStore
 from fxstar.program import Program
 
 __all__ = ["RunResult", "Verifier", "find_loss"]
@@ -73,7 +74,9 @@ class Verifier:
         self.snapshot = {id(t): t.detach().clone() for t in self.originals.values()}
         self.last: tuple[str, RunResult] | None = None
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def _tensors(self, store: ParameterStore | None = None) -> dict[str, torch.Tensor]:
+        """Clones of the model's tensors, plus clones of what a program's store feeds under
+        other names (parts a pass derived: tiles, shards)."""
         clones: dict[int, torch.Tensor] = {}
         out = {}
         for name, t in self.originals.items():
@@ -83,10 +86,19 @@ class Verifier:
                     c.requires_grad_(t.requires_grad)
                 clones[id(t)] = c
             out[name] = clones[id(t)]
+        for name, t in (store.tensors() if store is not None else {}).items():
+            if name not in out:
+                if id(t) not in clones:
+                    clones[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+                out[name] = clones[id(t)]
         return out
 
-    def _run(self, forward: Callable[[dict[str, torch.Tensor]], Any]) -> RunResult:
-        tensors = self._tensors()
+    def _run(
+        self,
+        forward: Callable[[dict[str, torch.Tensor]], Any],
+        store: ParameterStore | None = None,
+    ) -> RunResult:
+        tensors = self._tensors(store)
         with _fork_rng(), torch.enable_grad():
             torch.manual_seed(self.seed)
             output = forward(tensors)
@@ -99,7 +111,10 @@ class Verifier:
                 loss = sum((t.float().sum() for t in floats if t.requires_grad), torch.zeros(()))
             if loss.requires_grad:
                 loss.backward()
-        grads = {n: tensors[n].grad for n in self.names}
+        grads = {n: t.grad for n, t in tensors.items()}
+        if store is not None:  # parts' gradients glued back: compared in the model's space
+            grads = store.consolidate_grads(grads)
+        grads = {n: grads[n] for n in self.names}
         return RunResult([t.detach() for t in floats], grads)
 
     def run_eager(self) -> RunResult:
@@ -113,7 +128,9 @@ class Verifier:
         return self._run(forward)
 
     def run_program(self, program: Program) -> RunResult:
-        return self._run(lambda t: program.run(self.args, self.kwargs, tensors=t))
+        return self._run(
+            lambda t: program.run(self.args, self.kwargs, tensors=t), program.store
+        )
 
     def baseline(self) -> None:
         """Take eager PyTorch as the reference for the first check."""

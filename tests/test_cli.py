@@ -35,9 +35,9 @@ def test_plan_prints_the_estimate(capsys):
 
 def test_plan_file_and_errors(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"offload_activations": True}))
+    plan.write_text(json.dumps({"precision": "fp16"}))
     assert main(["dump", TINY, "--plan", str(plan)]) == 2
-    assert "offload_activations" in capsys.readouterr().err
+    assert "'precision' is not implemented" in capsys.readouterr().err
     plan.write_text(json.dumps({"device_memroy": "1GiB"}))
     assert main(["plan", TINY, "--plan", str(plan)]) == 2
     assert "did you mean 'device_memory'" in capsys.readouterr().err

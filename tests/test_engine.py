@@ -173,8 +173,8 @@ def test_accumulation_and_clipping():
 
 
 def test_unimplemented_plan_options_are_refused():
-    with pytest.raises(NotImplementedError, match="device_memory"):
-        compile(tiny_gpt(), Plan(device_memory="1GiB"))
+    with pytest.raises(NotImplementedError, match="precision"):
+        compile(tiny_gpt(), Plan(precision="fp16"))
 
 
 def test_report_mentions_parameters_and_memory():

@@ -185,7 +185,8 @@ class PassManager:
 
     Passes are given by name (looked up in the registry) or as pass objects. Required passes
     are added; among passes with no constraint between them the given order is kept.
-    Unknown names, duplicates and cycles raise PassOrderError naming the passes involved.
+    Unknown names, duplicates and cycles raise PassOrderError naming the passes involved;
+    `before`/`after` names of passes that are not registered are ignored.
     """
 
     def __init__(self, passes: Iterable[str | PassLike] = ()):
@@ -214,10 +215,7 @@ class PassManager:
                 if r not in chosen:
                     chosen[r] = _REGISTRY[r]
                     pending.append(chosen[r])
-        for p in chosen.values():
-            bad = [n for n in (*p.before, *p.after) if n not in chosen and n not in _REGISTRY]
-            if bad:
-                raise PassOrderError(f"pass {p.name!r} orders against {_unknown_message(bad)}")
+        # before/after may name passes that are not registered (yet): they order nothing
         return list(chosen.values())
 
     @staticmethod

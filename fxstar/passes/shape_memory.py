@@ -34,6 +34,10 @@ class NodeMemory:
     saved_bytes: int = 0
     saved_param_bytes: int = 0
     block: str = ""
+    # the parameters (by store name) this node saves for backward, one entry per saved
+    # tensor in the order saved: backward unpacks each when this node's gradient runs, which
+    # is what chunk eviction plans for
+    saved_params: tuple[str, ...] = ()
 
 
 @dataclass
@@ -121,6 +125,13 @@ class ShapeMemory(Pass):
         param_storages = {p.untyped_storage().data_ptr() for p in program.model.parameters()} | {
             b.untyped_storage().data_ptr() for b in program.model.buffers()
         }
+        # and what the program is fed in their place (tiles, shards a pass derived)
+        param_storages |= {t.untyped_storage().data_ptr() for t in program.model_tensors().values()}
+        param_names: dict[int, list[str]] = {}  # storage ptr -> parameter names
+        for name, t in program.model_tensors().items():
+            if isinstance(t, torch.nn.Parameter):
+                param_names.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+        saved_params: dict[fx.Node, list[str]] = {}
         saved: dict[int, tuple[fx.Node | None, int]] = {}  # storage ptr -> (node, bytes)
         keep: list[torch.Tensor] = []  # keeps storages alive so pointers stay unique
         measured: dict[fx.Node, int] = {}
@@ -129,6 +140,8 @@ class ShapeMemory(Pass):
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
+            if ptr in param_names and recorder is not None and recorder.current is not None:
+                saved_params.setdefault(recorder.current, []).append(param_names[ptr][0])
             if ptr not in saved:
                 saved[ptr] = (recorder.current if recorder else None, storage.nbytes())
                 keep.append(t)
@@ -153,7 +166,8 @@ class ShapeMemory(Pass):
         report = MemoryReport(param_bytes=program.param_bytes)
         per_node: dict[fx.Node, NodeMemory] = {}
         for node, nbytes in measured.items():
-            per_node[node] = NodeMemory(out_bytes=nbytes, block=block_of(node))
+            names = tuple(saved_params.get(node, ()))
+            per_node[node] = NodeMemory(out_bytes=nbytes, block=block_of(node), saved_params=names)
         for ptr, (node, nbytes) in saved.items():
             if node is None or node not in per_node:
                 continue

@@ -1,0 +1,167 @@
+"""chunk_layout (analysis): which parameter lives in which chunk, at which offset.
+
+Parameters are packed in the order the export graph first uses them (not `named_parameters`
+order; Llama's norms differ), so a forward pass walks the chunks in order. A tied parameter is
+stored once. Frozen parameters (`requires_grad=False`) go to chunks of their own, which get no
+gradient space. `chunk_size="auto"` searches the size that wastes least while holding the
+largest parameter and letting every set of chunks one op needs at once, plus one more, fit in
+the chunk share of the budget (Colossal-AI Gemini searches chunk sizes the same way).
+The layout is decided once per engine and shared by every capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fxstar.dump import NOTES_KEY
+from fxstar.errors import FxstarError
+from fxstar.passes import Pass, register
+from fxstar.passes.shape_memory import META_KEY
+from fxstar.plan import mark_implemented
+from fxstar.program import ParamInfo, Program
+from fxstar.runtime.layout import ChunkLayout, ChunkSpec, ParamSlot
+from fxstar.sizes import format_size
+
+mark_implemented("device_memory", "chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio",
+                 "mem_cache")  # fmt: skip
+
+LAYOUT_KEY = "chunk_layout"  # Program.shared and Program.meta key
+SEARCH_STEPS = 256  # candidate chunk sizes tried by the auto search
+
+
+class ChunkLayoutError(FxstarError, ValueError):
+    """No chunk size satisfies the plan."""
+
+
+def budget_bytes(program: Program) -> int:
+    budget = program.plan.resolve_size("device_memory", program.param_bytes)
+    if budget is None:
+        raise ChunkLayoutError("the chunk passes need plan.device_memory (the compute budget)")
+    return budget
+
+
+def nonmodel_peak(program: Program) -> int:
+    """Activations saved for backward at the forward/backward turn, plus the largest op output
+    as room for temporaries: what the budget must hold besides chunks at its fullest."""
+    report = program.meta[META_KEY]
+    nodes = program.graph_module.graph.nodes
+    largest = max((n.meta[META_KEY].out_bytes for n in nodes if META_KEY in n.meta), default=0)
+    return report.saved_bytes + largest
+
+
+def params_per_node(program: Program) -> list[tuple[str, ...]]:
+    """The parameters each node reads directly, for nodes that read more than one."""
+    owner = {ph: p.name for p in program.params for ph in p.placeholders}
+    out = []
+    for node in program.graph_module.graph.nodes:
+        names = {owner[a.name] for a in node.all_input_nodes if a.name in owner}
+        if len(names) > 1:
+            out.append(tuple(names))
+    return out
+
+
+def chunks_per_node(reads: list[tuple[str, ...]], chunk_of: dict[str, int]) -> int:
+    """The most chunks any single node reads at once (a bias and its weight may straddle)."""
+    return max((len({chunk_of[n] for n in names}) for names in reads), default=1)
+
+
+def pack(params: Sequence[ParamInfo], chunk_size: int) -> list[list[tuple[ParamInfo, int]]]:
+    """First fit in order: a parameter that does not fit the open chunk starts the next one.
+    Trainable and frozen parameters fill separate chunks."""
+    chunks: list[list[tuple[ParamInfo, int]]] = []
+    open_chunk: dict[bool, int] = {}  # requires_grad -> index of its open chunk
+    used: list[int] = []
+    for p in params:
+        i = open_chunk.get(p.requires_grad)
+        if i is None or used[i] + p.numel > chunk_size:
+            chunks.append([])
+            used.append(0)
+            i = open_chunk[p.requires_grad] = len(chunks) - 1
+        chunks[i].append((p, used[i]))
+        used[i] += p.numel
+    return chunks
+
+
+def search_chunk_size(program: Program, params: Sequence[ParamInfo], share: int) -> int:
+    """The candidate size with the least unused space among those whose busiest op's chunks,
+    plus one, fit in `share`."""
+    itemsize = params[0].dtype.itemsize
+    largest = max(p.numel for p in params)
+    total = sum(p.numel for p in params)
+    step = max(1, (total - largest) // SEARCH_STEPS)
+    reads = params_per_node(program)
+    best: tuple[int, int, int] | None = None  # (wasted, chunk count, size)
+    size = largest
+    while size <= max(total, largest):
+        chunks = pack(params, size)
+        chunk_of = {p.name: i for i, c in enumerate(chunks) for p, _ in c}
+        need = (chunks_per_node(reads, chunk_of) + 1) * size * itemsize
+        if need <= share:
+            wasted = len(chunks) * size - total
+            key = (wasted, len(chunks), size)
+            best = key if best is None or key < best else best
+        size += step
+    if best is None:
+        raise ChunkLayoutError(
+            f"no chunk size fits: the largest parameter has {largest:,} elements, and two "
+            f"chunks of that size need {2 * largest * itemsize:,} bytes, but the chunk share "
+            f"is {share:,} bytes (device_memory minus {format_size(nonmodel_peak(program))} "
+            "of activations and temporaries). Raise device_memory, checkpoint activations, "
+            "or tile the largest linears."
+        )
+    return best[2]
+
+
+def plan_layout(program: Program) -> ChunkLayout:
+    params = list(program.params)
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) != 1:
+        raise ChunkLayoutError(f"chunks hold one dtype; the parameters have {dtypes}")
+    dtype = params[0].dtype
+    chunk_size = program.plan.chunk_size
+    if chunk_size == "auto":
+        share = budget_bytes(program) - nonmodel_peak(program)
+        chunk_size = search_chunk_size(program, params, share)
+    largest = max(params, key=lambda p: p.numel)
+    if chunk_size < largest.numel:
+        raise ChunkLayoutError(
+            f"chunk_size: {chunk_size:,} elements cannot hold {largest.name} "
+            f"({largest.numel:,} elements); use at least that, or 'auto'"
+        )
+    specs = []
+    for i, members in enumerate(pack(params, chunk_size)):
+        spec = ChunkSpec(i)
+        for p, offset in members:
+            spec.params.append(ParamSlot(p.name, p.aliases, i, offset, p.shape, p.requires_grad))
+            spec.used += p.numel
+        specs.append(spec)
+    return ChunkLayout(chunk_size, dtype, specs)
+
+
+@register
+class ChunkLayoutPass(Pass):
+    """Analysis: writes the ChunkLayout to Program.meta/shared, chunk and offset to the
+    parameter table and to each parameter placeholder's notes."""
+
+    name = "chunk_layout"
+    requires = ("shape_memory",)
+
+    def enabled_by(self, plan) -> bool:
+        return plan.device_memory is not None
+
+    def __call__(self, program: Program) -> Program:
+        layout = program.shared.get(LAYOUT_KEY)
+        if layout is None:
+            layout = program.shared[LAYOUT_KEY] = plan_layout(program)
+        program.meta[LAYOUT_KEY] = layout
+        slots = layout.slots()
+        nodes = {n.name: n for n in program.graph_module.graph.nodes}
+        for info in program.params:
+            slot = slots[info.name]
+            info.chunk, info.chunk_offset = slot.chunk, slot.offset
+            for ph in info.placeholders:
+                nodes[ph].meta.setdefault(NOTES_KEY, {})["chunk"] = f"{slot.chunk}+{slot.offset}"
+        return program
+
+
+__all__ = ["LAYOUT_KEY", "ChunkLayoutError", "ChunkLayoutPass", "plan_layout"]

@@ -1,0 +1,240 @@
+"""chunk_schedule (rewrite): fetch each chunk before its parameters are first read, release it
+after the last read of any of them or of any alias of them, and plan the step's accesses.
+
+- A parameter placeholder becomes `ops.param(fetch, name)` on the views `ops.fetch(chunk)`
+  returns; the placeholders go away (the chunk manager owns the parameters now).
+- A release waits for the last use of every alias of a parameter (`t`, `view`, `expand`, a
+  `split` piece...), found from the ops' schemas: releasing after the last direct use while a
+  `w.t()` is read later would let the chunk be evicted under it.
+- A chunk idle while two or more other chunks come and go (the tied embedding, read first and
+  last) is released and fetched again rather than pinned all along: released, it is just one
+  more candidate for eviction, and Belady keeps it if that is best.
+- The access plan lists the chunk accesses in the order a step will make them: the fetches,
+  then backward, where each node that saved parameters needs their chunks back, in reverse
+  order; with the bytes besides chunks expected at each one (from shape_memory). A moment whose
+  chunks cannot fit the budget stops the compile here, with the numbers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from fxstar.errors import FxstarError
+from fxstar.passes import Pass, register
+from fxstar.passes.chunk_layout import LAYOUT_KEY, budget_bytes
+from fxstar.passes.shape_memory import META_KEY
+from fxstar.program import Program
+from fxstar.runtime import ops
+from fxstar.runtime.layout import AccessPlan, ChunkLayout
+from fxstar.sizes import format_size
+
+PLAN_KEY = "chunk_plan"  # Program.meta key of the AccessPlan
+SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
+
+
+class ChunkScheduleError(FxstarError, MemoryError):
+    """Some moment of the step needs more than the budget holds."""
+
+
+@dataclass
+class Segment:
+    """A stretch of the graph during which a chunk stays fetched."""
+
+    chunk: int
+    start: int  # position of the first node that reads one of its parameters
+    end: int  # position of the last node that reads one of them, or an alias
+    users: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)  # (user, placeholder)
+
+
+def returns_alias(node: fx.Node, of: fx.Node) -> bool:
+    """Does `node`'s output share memory with its input `of` (a view, per the op schema)?"""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True  # a piece of a list of views (split, unbind...)
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return False
+    if schema.returns[0].alias_info.is_write:
+        return False
+    for arg, value in zip(schema.arguments, node.args):
+        if value is of and arg.alias_info is not None and not arg.alias_info.is_write:
+            return True
+    return False
+
+
+def alias_end(user: fx.Node, of: fx.Node, pos: dict[fx.Node, int]) -> int:
+    """The last position at which `user` or anything aliasing the placeholder through it is read."""
+    end, stack = pos[user], [(user, of)]
+    while stack:
+        node, source = stack.pop()
+        if not returns_alias(node, source):
+            continue
+        for later in node.users:
+            if later.op != "output":
+                end = max(end, pos[later])
+                stack.append((later, node))
+    return end
+
+
+def segments(program: Program, layout: ChunkLayout, pos: dict[fx.Node, int]) -> list[Segment]:
+    slots = layout.slots()
+    kinds = program.placeholder_kinds()
+    uses: dict[int, list[tuple[int, int, fx.Node, fx.Node]]] = {}
+    for node in pos:
+        slot = kinds.get(node.name)
+        if node.op != "placeholder" or slot is None or slot.kind != "parameter":
+            continue
+        chunk = slots[slot.target].chunk
+        for user in node.users:
+            if user.op == "output":
+                raise ChunkScheduleError(
+                    f"the model returns parameter {slot.target} itself; chunked parameters "
+                    "can only be read by the graph"
+                )
+            uses.setdefault(chunk, []).append((pos[user], alias_end(user, node, pos), user, node))
+    starts = {chunk: sorted(u[0] for u in items) for chunk, items in uses.items()}
+
+    def busy_between(chunk: int, a: int, b: int) -> int:
+        """How many other chunks are read strictly between positions a and b."""
+        return sum(
+            1 for other, ps in starts.items()
+            if other != chunk and bisect.bisect_right(ps, a) < bisect.bisect_left(ps, b)
+        )  # fmt: skip
+
+    out = []
+    for chunk, items in uses.items():
+        items.sort(key=lambda u: u[0])
+        current: Segment | None = None
+        for start, end, user, placeholder in items:
+            if current is None or (
+                start > current.end and busy_between(chunk, current.end, start) >= SPLIT_AFTER
+            ):
+                current = Segment(chunk, start, end)
+                out.append(current)
+            current.end = max(current.end, end)
+            current.users.append((user, placeholder))
+    return sorted(out, key=lambda s: (s.start, s.chunk))
+
+
+def rewrite(program: Program, segs: list[Segment], nodes: list[fx.Node]) -> None:
+    graph = program.graph_module.graph
+    kinds = program.placeholder_kinds()
+    for seg in segs:
+        first = nodes[seg.start]
+        with graph.inserting_before(first):
+            fetch = graph.create_node("call_function", ops.fetch, (seg.chunk,),
+                                      name=f"chunk{seg.chunk}")  # fmt: skip
+        views: dict[fx.Node, fx.Node] = {}
+        for user, placeholder in seg.users:
+            if placeholder not in views:
+                with graph.inserting_before(first):
+                    views[placeholder] = graph.create_node(
+                        "call_function", ops.param, (fetch, kinds[placeholder.name].target),
+                        name=placeholder.name,
+                    )  # fmt: skip
+            user.replace_input_with(placeholder, views[placeholder])
+        with graph.inserting_after(nodes[seg.end]):
+            graph.call_function(ops.release, (seg.chunk,))
+    for node in list(graph.nodes):
+        slot = kinds.get(node.name)
+        if node.op == "placeholder" and slot is not None and slot.kind == "parameter":
+            program.remove_input(node)
+    graph.lint()
+    program.graph_module.recompile()
+
+
+def nonmodel_estimate(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Bytes besides chunks while a node runs (and while its gradient runs): what earlier
+    nodes saved for backward, plus its own output as the temporaries' room."""
+    out, saved = {}, 0
+    for node in nodes:
+        mem = node.meta.get(META_KEY)
+        if mem is not None:
+            saved += mem.saved_bytes
+        out[node] = saved + (mem.out_bytes if mem is not None else 0)
+    return out
+
+
+def access_plan(graph: fx.Graph, layout: ChunkLayout, original: list[fx.Node]) -> AccessPlan:
+    plan = AccessPlan([], [], [], [])
+    estimate = nonmodel_estimate(original)
+    slots = layout.slots()
+    open_chunks: set[int] = set()
+    upcoming = 0
+    for node in graph.nodes:  # forward: the fetches in graph order
+        if node.target is ops.fetch:
+            open_chunks.add(node.args[0])
+            upcoming = _next_original(node, estimate)
+            plan.chunks.append(node.args[0])
+            plan.phases.append("forward")
+            plan.nonmodel_bytes.append(upcoming)
+            plan.pinned_at_once.append(len(open_chunks))
+        elif node.target is ops.release:
+            open_chunks.discard(node.args[0])
+    for node in reversed(original):  # backward: nodes that saved parameters, last first
+        mem = node.meta.get(META_KEY)
+        needed = [slots[n].chunk for n in mem.saved_params] if mem is not None else []
+        for chunk in needed:  # one access per saved tensor: each is unpacked
+            plan.chunks.append(chunk)
+            plan.phases.append("backward")
+            plan.nonmodel_bytes.append(estimate[node])
+            plan.pinned_at_once.append(len(set(needed)))
+    return plan
+
+
+def _next_original(node: fx.Node, estimate: dict[fx.Node, int]) -> int:
+    while node is not None and node not in estimate:
+        node = node.next
+    return estimate.get(node, 0)
+
+
+def check_budget(plan: AccessPlan, layout: ChunkLayout, budget: int, static: int | None) -> None:
+    for t in range(len(plan)):
+        chunks = plan.pinned_at_once[t] * layout.chunk_bytes
+        share = static if static is not None else budget - plan.nonmodel_bytes[t]
+        if chunks > share:
+            where = "the static partition" if static is not None else (
+                f"device_memory {format_size(budget)} minus about "
+                f"{format_size(plan.nonmodel_bytes[t])} of activations and temporaries"
+            )  # fmt: skip
+            raise ChunkScheduleError(
+                f"access {t} ({plan.phases[t]}, chunk {plan.chunks[t]}) needs "
+                f"{plan.pinned_at_once[t]} chunks of {format_size(layout.chunk_bytes)} at once "
+                f"({format_size(chunks)}), but only {format_size(max(share, 0))} is left for "
+                f"chunks ({where}). Use a smaller chunk_size, checkpointing, or a larger "
+                "device_memory."
+            )
+
+
+def static_share(program: Program) -> int | None:
+    plan = program.plan
+    if not plan.static_partition:
+        return None
+    return int(plan.warmup_gpu_chunk_mem_ratio * budget_bytes(program))
+
+
+@register
+class ChunkSchedule(Pass):
+    name = "chunk_schedule"
+    requires = ("chunk_layout", "shape_memory")
+
+    def enabled_by(self, plan) -> bool:
+        return plan.device_memory is not None
+
+    def __call__(self, program: Program) -> Program:
+        layout: ChunkLayout = program.meta[LAYOUT_KEY]
+        original = list(program.graph_module.graph.nodes)
+        pos = {n: i for i, n in enumerate(original)}
+        rewrite(program, segments(program, layout, pos), original)
+        plan = access_plan(program.graph_module.graph, layout, original)
+        check_budget(plan, layout, budget_bytes(program), static_share(program))
+        program.meta[PLAN_KEY] = plan
+        return program
+
+
+__all__ = ["PLAN_KEY", "ChunkSchedule", "ChunkScheduleError", "returns_alias"]

@@ -1,0 +1,506 @@
+"""ChunkManager: parameters live in chunks, paged between the host tier and a budgeted compute tier.
+
+Every chunk has a home on the host tier (the master copy of its parameters, and a gradient
+buffer laid out the same way). The compute tier is one arena of `device_memory` bytes (a cuda
+tensor where there is a GPU, a CPU buffer elsewhere); a chunk is copied into it when the graph
+or autograd needs its parameters and dropped when something needed sooner wants the room.
+Nothing is decided by hooks at run time that the compiler could decide: the order of accesses
+(forward, then backward as autograd will need the chunks) comes from the chunk_schedule pass,
+and eviction is Belady's: drop the resident chunk whose next use is farthest away.
+
+Autograd sees parameters through `saved_tensors_hooks`: a saved tensor that lives in the arena
+is packed as a handle (chunk, offset, size, stride) and unpacked by fetching the chunk again,
+possibly at a new place, so backward never reads memory that was reused meanwhile. Gradients
+are added into the chunk's host gradient buffer as autograd produces them, and the stable
+parameters users and optimizers see (`engine.parameters()`) are views of the host homes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import enum
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fxstar.errors import FxstarError
+from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
+from fxstar.runtime.host import host_empty
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
+from fxstar.runtime.tracer import MemoryTracer
+
+
+class ChunkBudgetError(FxstarError, MemoryError):
+    """What one moment of the step needs does not fit the compute tier's budget."""
+
+
+class ChunkState(enum.Enum):
+    FREE = "free"  # no payload yet
+    RELEASED = "released"  # on the host tier only
+    COMPUTE = "compute"  # on the compute tier and in use: pinned
+    HOLD = "hold"  # on the compute tier, not in use (prefetched)
+    HOLD_AFTER_FWD = "hold_after_fwd"  # forward is done with it; evictable
+    HOLD_AFTER_BWD = "hold_after_bwd"  # backward is done with it; evictable
+
+
+S = ChunkState
+LEGAL: dict[ChunkState, set[ChunkState]] = {
+    S.FREE: {S.RELEASED},
+    S.RELEASED: {S.COMPUTE, S.HOLD},
+    S.COMPUTE: {S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD},
+    S.HOLD: {S.COMPUTE, S.RELEASED},
+    S.HOLD_AFTER_FWD: {S.COMPUTE, S.RELEASED},
+    S.HOLD_AFTER_BWD: {S.COMPUTE, S.RELEASED},
+}
+RESIDENT = {S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}
+
+
+@dataclass
+class Chunk:
+    id: int
+    slots: list[ParamSlot]
+    host: torch.Tensor  # chunk_size elements on the host tier (the master copy)
+    host_grad: torch.Tensor | None  # gradient buffer, or None for frozen chunks
+    state: ChunkState = ChunkState.FREE
+    offset: int | None = None  # arena byte offset while resident
+    pins: int = 0
+    loaded_versions: tuple[int, ...] = ()  # versions of the stable parameters when copied
+    last_access: int = -1
+
+    def move(self, new: ChunkState) -> None:
+        if new not in LEGAL[self.state]:
+            raise RuntimeError(
+                f"chunk {self.id}: illegal state change {self.state.value} -> {new.value}"
+            )
+        self.state = new
+
+    @property
+    def resident(self) -> bool:
+        return self.state in RESIDENT
+
+
+@dataclass
+class ChunkStats:
+    loads: int = 0  # host -> compute copies
+    bytes_to_compute: int = 0
+    bytes_to_host: int = 0  # gradients crossing back (cuda)
+    evictions: int = 0
+    prefetch_hits: int = 0
+    cache_hits: int = 0
+    unexpected_accesses: int = 0
+    copy_seconds: float = 0.0
+    steps: int = 0
+    per_step_bytes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Handle:
+    """A saved arena tensor, by where its values live rather than by its address."""
+
+    chunk: int
+    offset: int  # elements from the chunk's start
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class ChunkManager:
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        params: dict[str, torch.Tensor],
+        *,
+        budget: int,
+        arena_capacity: int,
+        device: torch.device | str = "cpu",
+        static_share: int | None = None,
+        mem_cache: int = 2,
+        prefetch: bool | None = None,
+    ):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.budget = budget
+        self.static_share = static_share
+        self.cache_capacity = mem_cache
+        self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch
+        self.checking = False  # verify the residency invariants after every access (tests)
+        self.stats = ChunkStats()
+        self.tracer = MemoryTracer()
+        self.arena = ArenaBuffer(arena_capacity, self.device)
+        self.arena_elements = self.arena.buffer.view(layout.dtype)
+        self._cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
+        self._plan: AccessPlan | None = None
+        self._positions: dict[int, list[int]] = {}
+        self._cursor = 0
+        self._node_pins: tuple[object | None, list[Chunk]] = (None, [])
+        self._recorded: list[tuple[int, str]] = []
+        self._refined: set[int] = set()  # id() of plans already refined by a traced step
+        self._step_bytes = 0
+        pin = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if pin else None
+        self.chunks, self.stable = self._make_homes(params, pin)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _make_homes(
+        self, params: dict[str, torch.Tensor], pin: bool
+    ) -> tuple[list[Chunk], dict[str, nn.Parameter]]:
+        """Host homes for every chunk, filled from `params`; stable parameters view them."""
+        lay = self.layout
+        n = lay.chunk_size
+        host = host_empty(len(lay.chunks) * lay.chunk_bytes, zero=True, pin=pin).view(lay.dtype)
+        trainable = [c for c in lay.chunks if c.trainable]
+        grads = host_empty(len(trainable) * lay.chunk_bytes, zero=True, pin=pin).view(lay.dtype)
+        grad_of = {c.id: grads[i * n : (i + 1) * n] for i, c in enumerate(trainable)}
+        chunks, stable = [], {}
+        for spec in lay.chunks:
+            chunk = Chunk(spec.id, spec.params, host[spec.id * n : (spec.id + 1) * n],
+                          grad_of.get(spec.id))  # fmt: skip
+            for slot in spec.params:
+                view = chunk.host[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                with torch.no_grad():
+                    view.copy_(params[slot.name])
+                stable[slot.name] = nn.Parameter(view, requires_grad=slot.requires_grad)
+            chunk.move(S.RELEASED)
+            chunks.append(chunk)
+        return chunks, stable
+
+    def grad_view(self, slot: ParamSlot) -> torch.Tensor:
+        host_grad = self.chunks[slot.chunk].host_grad
+        return host_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def running(self, plan: AccessPlan) -> Iterator[None]:
+        """Around one forward: the plan it follows, and the hooks autograd saves through."""
+        from fxstar.runtime import ops
+
+        self._begin(plan)
+        token = ops.ACTIVE.set(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            ops.ACTIVE.reset(token)
+
+    def _begin(self, plan: AccessPlan) -> None:
+        if self._recorded and self._plan is not None:
+            self._refine(self._plan)
+        self._unpin_node()
+        for chunk in self.chunks:  # pins left by an abandoned step
+            if chunk.state is S.COMPUTE:
+                chunk.pins = 0
+                chunk.move(S.HOLD_AFTER_FWD)
+        if self._step_bytes or self.stats.steps:
+            self.stats.per_step_bytes.append(self._step_bytes)
+        self._step_bytes = 0
+        self.stats.steps += 1
+        self._plan = plan
+        self._positions = {}
+        for i, c in enumerate(plan.chunks):
+            self._positions.setdefault(c, []).append(i)
+        self._cursor = 0
+        self._recorded = []
+        self.tracer.begin_step()
+
+    def _refine(self, plan: AccessPlan) -> None:
+        """After the first traced step, plan from what happened rather than what was predicted:
+        the real access order and the measured bytes besides chunks."""
+        if id(plan) in self._refined:
+            return
+        self._refined.add(id(plan))
+        measured = self.tracer.nonmodel_by_access()
+        if len(measured) == len(self._recorded):
+            plan.chunks = [c for c, _ in self._recorded]
+            plan.phases = [p for _, p in self._recorded]
+            plan.nonmodel_bytes = measured
+
+    # -- accesses -------------------------------------------------------------------------------
+
+    def fetch(self, chunk_id: int) -> dict[str, torch.Tensor]:
+        """Forward: the chunk's parameters as leaves of this step's autograd graph."""
+        chunk = self._access(chunk_id, "forward")
+        chunk.pins += 1
+        grad = torch.is_grad_enabled()
+        views = {}
+        for slot in chunk.slots:
+            view = self._view(chunk, slot.offset, slot.shape)
+            if grad and slot.requires_grad:
+                view.requires_grad_(True)
+                view.register_post_accumulate_grad_hook(self._accumulate(slot))
+            for alias in slot.aliases:
+                views[alias] = view
+        return views
+
+    def release(self, chunk_id: int) -> None:
+        """Forward is done with the chunk (every alias of its parameters): evictable."""
+        chunk = self.chunks[chunk_id]
+        chunk.pins -= 1
+        if chunk.pins == 0:
+            chunk.move(S.HOLD_AFTER_FWD)
+
+    def _access(self, chunk_id: int, phase: str) -> Chunk:
+        t = self._advance(chunk_id)
+        self._recorded.append((chunk_id, phase))
+        chunk = self.chunks[chunk_id]
+        if chunk.resident and chunk.pins == 0 and self._stale(chunk):
+            self._evict(chunk, count=False)  # the host copy changed (an optimizer step)
+        if chunk.state is S.HOLD:
+            self.stats.prefetch_hits += 1
+        self._make_room(t, chunk)
+        if chunk.state is not S.COMPUTE:
+            chunk.move(S.COMPUTE)
+        chunk.last_access = t
+        self.tracer.record(t, phase, chunk_id, self.resident_bytes(), self.share(t))
+        if self.checking:
+            self._check(t)
+        if self.prefetch:
+            self._prefetch_after(t)
+        return chunk
+
+    def _advance(self, chunk_id: int) -> int:
+        """The position of this access in the plan; unplanned accesses do not move it."""
+        positions = self._positions.get(chunk_id, [])
+        i = bisect.bisect_left(positions, self._cursor)
+        if i == len(positions):
+            self.stats.unexpected_accesses += 1
+            return min(self._cursor, max(len(self._plan) - 1, 0))
+        self._cursor = positions[i] + 1
+        return positions[i]
+
+    def _view(self, chunk: Chunk, offset: int, shape, stride=None) -> torch.Tensor:
+        base = chunk.offset // self.layout.dtype.itemsize + offset
+        if stride is None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            return self.arena_elements[base : base + numel].view(shape)
+        return self.arena_elements.as_strided(shape, stride, base)
+
+    # -- autograd -------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        if t.device == self.device and t.untyped_storage().data_ptr() == self._arena_ptr():
+            if t.dtype != self.layout.dtype:
+                raise RuntimeError(f"a saved {t.dtype} view of {self.layout.dtype} chunk memory")
+            byte = t.storage_offset() * t.element_size()
+            for chunk in self.chunks:
+                if chunk.resident and chunk.offset <= byte < chunk.offset + self.layout.chunk_bytes:
+                    offset = (byte - chunk.offset) // t.element_size()
+                    return Handle(chunk.id, offset, tuple(t.shape), tuple(t.stride()))
+            raise RuntimeError("a saved arena tensor belongs to no resident chunk")
+        return self.tracer.saved(t)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, Handle):
+            return self.tracer.unpacked(packed)
+        node = torch._C._current_autograd_node()
+        if node is not self._node_pins[0]:
+            self._unpin_node()
+            self._node_pins = (node, [])
+        chunk = self._access(packed.chunk, "backward")
+        chunk.pins += 1
+        self._node_pins[1].append(chunk)
+        return self._view(chunk, packed.offset, packed.size, packed.stride)
+
+    def _unpin_node(self) -> None:
+        """The backward node that unpacked these chunks is done: they are evictable again."""
+        for chunk in self._node_pins[1]:
+            chunk.pins -= 1
+            if chunk.pins == 0:
+                chunk.move(S.HOLD_AFTER_BWD)
+        self._node_pins = (None, [])
+
+    def _accumulate(self, slot: ParamSlot):
+        stable = self.stable[slot.name]
+
+        def hook(leaf: torch.Tensor) -> None:
+            grad, leaf.grad = leaf.grad, None
+            if stable.grad is None:
+                buffer = self.grad_view(slot)
+                self._copy(buffer, grad, to_host=True)  # a copy: bitwise what eager stores
+                stable.grad = buffer
+            else:
+                stable.grad.add_(grad.to(stable.grad.device))
+
+        return hook
+
+    # -- residency ------------------------------------------------------------------------------
+
+    def share(self, t: int) -> int:
+        """Bytes chunks may hold on the compute tier at access t."""
+        if self.static_share is not None:
+            return self.static_share
+        plan = self._plan
+        nonmodel = plan.nonmodel_bytes[t] if plan is not None and t < len(plan) else 0
+        return min(self.arena.capacity, self.budget - nonmodel)
+
+    def resident_bytes(self) -> int:
+        return sum(self.layout.chunk_bytes for c in self.chunks if c.resident)
+
+    def _make_room(self, t: int, chunk: Chunk) -> None:
+        """Evict until the chunks resident with `chunk` fit the share at access t (which may
+        have shrunk since the last access: activations grow), then load `chunk` if needed."""
+        need = 0 if chunk.resident else self.layout.chunk_bytes
+        while self.resident_bytes() + need > self.share(t):
+            self._evict_one(t, chunk, "every other resident chunk is in use")
+        if chunk.resident:
+            return
+        while (offset := self._take_block()) is None:
+            self._evict_one(t, chunk, "the arena has no block left")
+        self._load(chunk, offset)
+
+    def _take_block(self) -> int | None:
+        """A block for one chunk: a cached one (mem_cache), else a new one from the arena."""
+        if self._cache:
+            self.stats.cache_hits += 1
+            return self._cache.pop()
+        try:
+            return self.arena.alloc(self.layout.chunk_bytes)
+        except ArenaOutOfMemory:
+            return None
+
+    def _evict_one(self, t: int, keep: Chunk, why: str) -> None:
+        victim = self._victim(t, keep)
+        if victim is None:
+            raise self._budget_error(t, why)
+        self._evict(victim)
+
+    def _victim(self, t: int, keep: Chunk) -> Chunk | None:
+        """Belady: the unpinned resident chunk used again farthest in the future."""
+        best, best_key = None, None
+        n = len(self._plan) if self._plan is not None else 0
+        for chunk in self.chunks:
+            if not chunk.resident or chunk.pins or chunk is keep:
+                continue
+            positions = self._positions.get(chunk.id, [])
+            i = bisect.bisect_right(positions, t)
+            if i < len(positions):
+                nxt = positions[i]
+            elif positions:
+                nxt = n + positions[0]  # the next step's access
+            else:
+                nxt = 2 * n + 1
+            key = (nxt, -chunk.last_access)
+            if best_key is None or key > best_key:
+                best, best_key = chunk, key
+        return best
+
+    def _evict(self, chunk: Chunk, count: bool = True) -> None:
+        # the host holds the master copy: dropping a compute copy moves no bytes
+        chunk.move(S.RELEASED)
+        if len(self._cache) < self.cache_capacity:
+            self._cache.append(chunk.offset)
+        else:
+            self.arena.free(chunk.offset)
+        chunk.offset = None
+        if count:
+            self.stats.evictions += 1
+
+    def _load(self, chunk: Chunk, offset: int, state: ChunkState = S.COMPUTE) -> None:
+        chunk.offset = offset
+        self._copy(self._view(chunk, 0, (self.layout.chunk_size,)), chunk.host, to_host=False)
+        chunk.loaded_versions = self._versions(chunk)
+        chunk.move(state)
+        self.stats.loads += 1
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> None:
+        start = time.perf_counter()
+        nbytes = src.numel() * src.element_size()
+        if self.copy_stream is not None and dst.device != src.device:
+            with torch.cuda.stream(self.copy_stream):
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+            torch.cuda.current_stream(self.device).wait_event(event)
+            if to_host:
+                event.synchronize()  # the host reads it right away
+        else:
+            dst.copy_(src)
+        self.stats.copy_seconds += time.perf_counter() - start
+        if to_host:
+            if dst.device != src.device:
+                self.stats.bytes_to_host += nbytes
+        else:
+            self.stats.bytes_to_compute += nbytes
+            self._step_bytes += nbytes
+
+    def _prefetch_after(self, t: int) -> None:
+        """Start copying the next planned chunk if there is room without evicting anything."""
+        plan = self._plan
+        if plan is None or t + 1 >= len(plan):
+            return
+        chunk = self.chunks[plan.chunks[t + 1]]
+        if chunk.resident or self.resident_bytes() + self.layout.chunk_bytes > self.share(t + 1):
+            return
+        offset = self._take_block()
+        if offset is not None:
+            self._load(chunk, offset, S.HOLD)
+
+    def _versions(self, chunk: Chunk) -> tuple[int, ...]:
+        return tuple(self.stable[s.name]._version for s in chunk.slots)
+
+    def _stale(self, chunk: Chunk) -> bool:
+        return chunk.loaded_versions != self._versions(chunk)
+
+    def _arena_ptr(self) -> int:
+        return self.arena.buffer.untyped_storage().data_ptr()
+
+    def _check(self, t: int) -> None:
+        """The compute tier never holds more than its share: by the arena, and by a sum over
+        the chunks resident on it."""
+        resident = self.resident_bytes()
+        in_arena = self.arena.stats()["in_use"] - len(self._cache) * self.arena.allocator.round_up(
+            self.layout.chunk_bytes
+        )
+        if in_arena != sum(
+            self.arena.allocator.block_size(c.offset) for c in self.chunks if c.resident
+        ):
+            raise AssertionError(f"access {t}: arena bookkeeping disagrees with resident chunks")
+        if resident > self.share(t):
+            raise AssertionError(
+                f"access {t}: {resident} bytes of chunks resident, share {self.share(t)}"
+            )
+
+    def _budget_error(self, t: int, why: str) -> ChunkBudgetError:
+        pinned = [c.id for c in self.chunks if c.pins]
+        return ChunkBudgetError(
+            f"chunk budget exceeded at access {t} ({why}): chunks {pinned} are in use, "
+            f"{self.layout.chunk_bytes:,} bytes each; the share there is {self.share(t):,} "
+            f"of device_memory {self.budget:,} bytes. Use a smaller chunk_size, checkpointing, "
+            "or a larger device_memory."
+        )
+
+    # -- what users see -------------------------------------------------------------------------
+
+    def parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.stable)
+
+    def report(self) -> str:
+        lay, st, arena = self.layout, self.stats, self.arena.stats()
+        steps = max(len(st.per_step_bytes), 1)
+        moved = st.per_step_bytes[-1] if st.per_step_bytes else self._step_bytes
+        lines = [
+            f"chunks: {len(lay.chunks)} x {lay.chunk_bytes:,} bytes ({lay.chunk_size:,} "
+            f"{str(lay.dtype).split('.')[-1]}), {lay.wasted_bytes:,} bytes unused",
+            f"compute tier ({self.device}): budget {self.budget:,}, arena {arena['capacity']:,}, "
+            f"peak chunks {arena['peak_in_use']:,}, now {self.resident_bytes():,}",
+            f"host tier: {len(lay.chunks) * lay.chunk_bytes:,} parameter and "
+            f"{sum(c.host_grad is not None for c in self.chunks) * lay.chunk_bytes:,} "
+            "gradient bytes",
+            f"moved host->compute: {moved:,} bytes in the last step "
+            f"({sum(st.per_step_bytes) / steps:,.0f} per step on average; "
+            f"{moved / max(lay.param_bytes, 1):.2f}x the parameter bytes)",
+            f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
+            f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
+        ]
+        if self.device.type == "cpu":
+            lines.append(
+                "activations live in ordinary memory on this CPU-only machine; the tracer "
+                f"counts them (peak {self.tracer.peak_nonmodel:,} bytes saved for backward)"
+            )
+        return "\n".join(lines)

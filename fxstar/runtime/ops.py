@@ -1,0 +1,51 @@
+"""What the nodes of a rewritten graph call. Each looks up the engine's runtime that is running
+the graph (set around every forward), so a dumped graph reads like the program it is:
+
+    fetch_3 = ops.fetch(3)
+    p_h_0_attn_c_attn_weight = ops.param(fetch_3, 'h.0.attn.c_attn.weight')
+    ...
+    ops.release(3)
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx.node import has_side_effect
+
+if TYPE_CHECKING:
+    from fxstar.runtime.chunks import ChunkManager
+
+ACTIVE: ContextVar[ChunkManager | None] = ContextVar("fxstar_chunk_manager", default=None)
+
+
+def _manager() -> ChunkManager:
+    manager = ACTIVE.get()
+    if manager is None:
+        raise RuntimeError(
+            "a chunk operation ran outside an fxstar Engine; run the graph through the "
+            "Engine that compiled it"
+        )
+    return manager
+
+
+def fetch(chunk: int) -> dict[str, torch.Tensor]:
+    """The chunk's parameters on the compute tier, by every name (aliases included)."""
+    return _manager().fetch(chunk)
+
+
+def release(chunk: int) -> None:
+    """The graph is done with every alias of the chunk's parameters until backward."""
+    _manager().release(chunk)
+
+
+def param(fetched: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return fetched[name]
+
+
+# release returns nothing and fetch may look unused when no parameter of it is read:
+# dead-code elimination must keep both.
+has_side_effect(fetch)
+has_side_effect(release)
