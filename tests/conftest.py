@@ -6,10 +6,24 @@ transformers skip cleanly when it is not installed.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 VOCAB, BATCH, SEQ = 64, 2, 16
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def check_golden(name: str, text: str) -> None:
+    """Compare with tests/golden/<name>; FXSTAR_UPDATE_GOLDEN=1 rewrites the file."""
+    path = os.path.join(GOLDEN, name)
+    if os.environ.get("FXSTAR_UPDATE_GOLDEN") == "1":
+        os.makedirs(GOLDEN, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(text)
+    with open(path, encoding="utf-8") as file:
+        assert text == file.read(), f"{name} changed; FXSTAR_UPDATE_GOLDEN=1 to accept"
 
 
 def tiny_gpt(seed: int = 0, dropout: float = 0.1) -> torch.nn.Module:

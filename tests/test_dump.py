@@ -1,8 +1,8 @@
-import os
 import sys
 
 import pytest
 import torch
+from conftest import check_golden as _check_golden
 from conftest import tiny_gpt, tokens
 
 from fxstar.capture import capture
@@ -10,19 +10,6 @@ from fxstar.dump import diff, draw, dump, to_dot
 from fxstar.engine import compile
 from fxstar.passes import PassManager
 from fxstar.plan import Plan
-
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-
-
-def _check_golden(name: str, text: str) -> None:
-    """Compare with tests/golden/<name>; FXSTAR_UPDATE_GOLDEN=1 rewrites the file."""
-    path = os.path.join(GOLDEN, name)
-    if os.environ.get("FXSTAR_UPDATE_GOLDEN") == "1":
-        os.makedirs(GOLDEN, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as file:
-            file.write(text)
-    with open(path, encoding="utf-8") as file:
-        assert text == file.read(), f"{name} changed; FXSTAR_UPDATE_GOLDEN=1 to accept"
 
 
 @pytest.fixture(scope="module")

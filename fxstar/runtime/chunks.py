@@ -65,6 +65,7 @@ class Chunk:
     slots: list[ParamSlot]
     host: torch.Tensor  # chunk_size elements on the host tier (the master copy)
     host_grad: torch.Tensor | None  # gradient buffer, or None for frozen chunks
+    used: int = 0  # elements taken by parameters: only these are copied
     state: ChunkState = ChunkState.FREE
     offset: int | None = None  # arena byte offset while resident
     pins: int = 0
@@ -158,7 +159,7 @@ class ChunkManager:
         chunks, stable = [], {}
         for spec in lay.chunks:
             chunk = Chunk(spec.id, spec.params, host[spec.id * n : (spec.id + 1) * n],
-                          grad_of.get(spec.id))  # fmt: skip
+                          grad_of.get(spec.id), spec.used)  # fmt: skip
             for slot in spec.params:
                 view = chunk.host[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 with torch.no_grad():
@@ -228,7 +229,9 @@ class ChunkManager:
         grad = torch.is_grad_enabled()
         views = {}
         for slot in chunk.slots:
-            view = self._view(chunk, slot.offset, slot.shape)
+            # detached: a leaf of its own, not an autograd view of the arena buffer (views of a
+            # view would route their gradient to the buffer, not to this leaf)
+            view = self._view(chunk, slot.offset, slot.shape).detach()
             if grad and slot.requires_grad:
                 view.requires_grad_(True)
                 view.register_post_accumulate_grad_hook(self._accumulate(slot))
@@ -403,7 +406,7 @@ class ChunkManager:
 
     def _load(self, chunk: Chunk, offset: int, state: ChunkState = S.COMPUTE) -> None:
         chunk.offset = offset
-        self._copy(self._view(chunk, 0, (self.layout.chunk_size,)), chunk.host, to_host=False)
+        self._copy(self._view(chunk, 0, (chunk.used,)), chunk.host[: chunk.used], to_host=False)
         chunk.loaded_versions = self._versions(chunk)
         chunk.move(state)
         self.stats.loads += 1

@@ -1,0 +1,95 @@
+"""chunk_layout: first-use order, ties stored once, frozen chunks apart, the auto size search."""
+
+import pytest
+import torch
+from conftest import tiny_gpt, tokens
+
+from fxstar.engine import compile
+from fxstar.passes.chunk_layout import LAYOUT_KEY, ChunkLayoutError, nonmodel_peak
+from fxstar.plan import Plan
+
+
+def compiled(model, **plan):
+    return compile(model, Plan(**plan), example_inputs=tokens())
+
+
+def roomy(model) -> int:
+    program = compiled(model, passes=["shape_memory"]).program
+    return nonmodel_peak(program) + program.param_bytes
+
+
+def test_first_use_order_and_ties_stored_once():
+    model = tiny_gpt()
+    engine = compiled(model, device_memory=roomy(tiny_gpt()))
+    layout = engine.program.meta[LAYOUT_KEY]
+    order = [p.name for c in layout.chunks for p in c.params]
+    uses = {p.name: i for i, p in enumerate(engine.program.params)}
+    assert order == sorted(order, key=uses.__getitem__)  # packed in first-use order
+    slots = layout.slots()
+    assert slots["wte.weight"] is slots["head.weight"]  # the tie, once
+    unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert sum(c.used for c in layout.chunks) == unique
+    info = engine.program.param("h.0.attn.c_attn.weight")
+    slot = slots["h.0.attn.c_attn.weight"]
+    assert (info.chunk, info.chunk_offset) == (slot.chunk, slot.offset)
+    assert f"chunk={slot.chunk}+{slot.offset}" in engine.program.stages[2].text
+
+
+def test_auto_size_holds_the_largest_and_fits_the_share():
+    budget = roomy(tiny_gpt())
+    engine = compiled(tiny_gpt(), device_memory=budget)
+    layout = engine.program.meta[LAYOUT_KEY]
+    largest = max(p.numel() for p in tiny_gpt().parameters())
+    assert layout.chunk_size >= largest
+    share = budget - nonmodel_peak(engine.program)
+    assert 2 * layout.chunk_bytes <= share
+
+
+def test_frozen_parameters_get_chunks_without_gradient_space():
+    model = tiny_gpt()
+    for p in model.h[0].parameters():
+        p.requires_grad_(False)
+    engine = compiled(model, device_memory=roomy(tiny_gpt()), chunk_size=8192)
+    for chunk in engine.chunks.chunks:
+        kinds = {s.requires_grad for s in chunk.slots}
+        assert len(kinds) == 1  # never mixed
+        assert (chunk.host_grad is None) == (kinds == {False})
+    ids, targets = tokens()
+    engine(ids, targets).backward()
+    assert all(p.grad is None for p in model.h[0].parameters())
+    assert model.h[1].mlp.c_fc.weight.grad is not None
+
+
+def test_explicit_chunk_size_must_hold_the_largest_parameter():
+    with pytest.raises(ChunkLayoutError, match="chunk_size: 100 elements cannot hold"):
+        compiled(tiny_gpt(), device_memory="10MiB", chunk_size=100)
+
+
+def test_a_budget_too_small_says_what_it_needs():
+    with pytest.raises(ChunkLayoutError, match="no chunk size fits.*Raise device_memory"):
+        compiled(tiny_gpt(), device_memory=200_000)
+
+
+class MixedDtypes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.linear(x) * self.scale.float()).sum()
+
+
+def test_one_dtype_per_layout():
+    with pytest.raises(ChunkLayoutError, match="one dtype"):
+        compile(MixedDtypes(), Plan(device_memory="10MiB"), (torch.randn(2, 8),))
+
+
+def test_layout_is_shared_by_every_capture():
+    engine = compiled(tiny_gpt(), device_memory=roomy(tiny_gpt()))
+    first = engine.program.meta[LAYOUT_KEY]
+    ids, targets = tokens(seq=8)
+    engine(ids, targets).backward()
+    assert len(engine.programs) == 2
+    assert all(p.meta[LAYOUT_KEY] is first for p in engine.programs.values())
+    assert torch.isfinite(engine(ids, targets))

@@ -1,0 +1,105 @@
+"""chunk_schedule: fetch/release placement, aliases, split fetches, the plan and its checks."""
+
+import pytest
+import torch
+from conftest import check_golden, tiny_gpt, tokens
+from torch import nn
+
+from fxstar.dump import dump
+from fxstar.engine import compile
+from fxstar.passes.chunk_layout import nonmodel_peak
+from fxstar.passes.chunk_schedule import PLAN_KEY, ChunkScheduleError
+from fxstar.plan import Plan
+from fxstar.runtime import ops
+
+
+def budget_for(model_factory, share: float, inputs) -> int:
+    program = compile(model_factory(), Plan(passes=["shape_memory"]), inputs).program
+    return nonmodel_peak(program) + int(share * program.param_bytes)
+
+
+def test_golden_dump_of_the_rewritten_gpt():
+    inputs = tokens()
+    engine = compile(tiny_gpt(), Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs)), inputs)
+    check_golden("gpt_chunk_schedule.txt", dump(engine, "chunk_schedule"))
+
+
+def test_tied_embedding_is_fetched_again_for_the_head():
+    inputs = tokens()
+    engine = compile(tiny_gpt(), Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs)), inputs)
+    graph = engine.program.graph_module.graph
+    fetches = [n.args[0] for n in graph.nodes if n.target is ops.fetch]
+    head_chunk = engine.chunks.layout.slots()["head.weight"].chunk
+    assert fetches.count(head_chunk) == 2 and fetches[0] == head_chunk
+    assert not [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("p_")]
+
+
+class LateTranspose(nn.Module):
+    """Reads `a.weight.t()` long after taking it: the release must wait for that read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        wt = self.a.weight.t()
+        y = self.d(self.c(self.b(x)))
+        return (y @ wt).square().mean()
+
+
+def test_release_waits_for_the_last_alias_use():
+    torch.manual_seed(0)
+    eager = LateTranspose()
+    model = LateTranspose()
+    model.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 16)
+    plan = Plan(device_memory=budget_for(LateTranspose, 0.6, (x,)), chunk_size=16 * 16 + 16)
+    engine = compile(model, plan, (x,))
+    nodes = list(engine.program.graph_module.graph.nodes)
+    chunk = engine.chunks.layout.slots()["a.weight"].chunk
+    release = next(i for i, n in enumerate(nodes) if n.target is ops.release and n.args == (chunk,))
+    matmul = next(i for i, n in enumerate(nodes) if "matmul" in n.name or n.name.startswith("mm"))
+    assert release > matmul
+    engine.chunks.checking = True
+    for _ in range(3):
+        expected = eager(x)
+        expected.backward()
+        loss = engine(x)
+        loss.backward()
+        assert torch.equal(loss, expected)
+        for p, q in zip(eager.parameters(), engine.parameters(), strict=True):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+            p.grad = q.grad = None
+    assert engine.chunks.stats.evictions > 0
+
+
+def test_plan_lists_forward_fetches_then_backward_unpacks():
+    inputs = tokens()
+    engine = compile(tiny_gpt(), Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs)), inputs)
+    plan = engine.program.meta[PLAN_KEY]
+    forward = plan.forward_len
+    assert plan.phases == ["forward"] * forward + ["backward"] * (len(plan) - forward)
+    assert max(plan.nonmodel_bytes) == plan.nonmodel_bytes[forward]  # the turn is the peak
+    engine(*inputs).backward()
+    assert engine.chunks._recorded == list(zip(plan.chunks, plan.phases, strict=True))
+
+
+def test_a_moment_that_cannot_fit_stops_the_compile_with_numbers():
+    inputs = tokens()
+    budget = budget_for(tiny_gpt, 0.4, inputs)
+    # chunks so small that layer norms straddle them; a static share of about one chunk
+    plan = Plan(device_memory=budget, chunk_size=4096, static_partition=True,
+                warmup_gpu_chunk_mem_ratio=0.05)  # fmt: skip
+    with pytest.raises(ChunkScheduleError, match=r"needs \d+ chunks of .* at once"):
+        compile(tiny_gpt(), plan, inputs)
+
+
+def test_static_partition_keeps_chunks_to_the_warmup_share():
+    inputs = tokens()
+    budget = budget_for(tiny_gpt, 1.0, inputs)
+    plan = Plan(device_memory=budget, static_partition=True, warmup_gpu_chunk_mem_ratio=0.5)
+    engine = compile(tiny_gpt(), plan, inputs)
+    engine.chunks.checking = True
+    engine(*inputs).backward()
+    assert engine.chunks.share(0) == int(0.5 * budget)
+    assert engine.chunks.arena.stats()["peak_in_use"] <= int(0.5 * budget)

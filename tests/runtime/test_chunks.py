@@ -1,0 +1,80 @@
+"""ChunkManager on its own: states, Belady's choice, the budget, stale copies."""
+
+import pytest
+import torch
+
+from fxstar.runtime.chunks import Chunk, ChunkBudgetError, ChunkManager, ChunkState
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
+
+N = 64  # elements per chunk: one parameter of 8 x 8 each
+
+
+def manager(chunks: int, resident: int) -> ChunkManager:
+    specs = [ChunkSpec(i, [ParamSlot(f"p{i}", (f"p{i}",), i, 0, (8, 8), True)], N)
+             for i in range(chunks)]  # fmt: skip
+    layout = ChunkLayout(N, torch.float32, specs)
+    params = {f"p{i}": torch.full((8, 8), float(i)) for i in range(chunks)}
+    budget = resident * layout.chunk_bytes
+    m = ChunkManager(layout, params, budget=budget, arena_capacity=budget)
+    m.checking = True
+    return m
+
+
+def plan(order: list[int]) -> AccessPlan:
+    n = len(order)
+    return AccessPlan(order, ["forward"] * n, [0] * n, [1] * n)
+
+
+def test_illegal_state_changes_raise():
+    chunk = Chunk(0, [], torch.zeros(1), None)
+    with pytest.raises(RuntimeError, match="illegal state change free -> compute"):
+        chunk.move(ChunkState.COMPUTE)
+    chunk.move(ChunkState.RELEASED)
+    chunk.move(ChunkState.COMPUTE)
+    with pytest.raises(RuntimeError, match="compute -> released"):
+        chunk.move(ChunkState.RELEASED)  # evicting a chunk in use
+
+
+def test_belady_evicts_the_chunk_used_farthest_ahead():
+    m = manager(3, resident=2)
+    with m.running(plan([0, 1, 2, 1, 0])):
+        for c in (0, 1):
+            assert torch.equal(m.fetch(c)[f"p{c}"], torch.full((8, 8), float(c)))
+            m.release(c)
+        m.fetch(2)  # next uses: 1 at 3, 0 at 4 -> evict 0
+        m.release(2)
+        assert [c.resident for c in m.chunks] == [False, True, True]
+        m.fetch(1)
+        m.release(1)
+        assert m.stats.loads == 3 and m.stats.evictions == 1
+
+
+def test_all_chunks_in_use_is_a_budget_error():
+    m = manager(3, resident=2)
+    with m.running(plan([0, 1, 2])), pytest.raises(ChunkBudgetError, match="chunks \\[0, 1\\]"):
+        m.fetch(0)
+        m.fetch(1)
+        m.fetch(2)
+
+
+def test_a_changed_host_copy_is_loaded_again():
+    m = manager(2, resident=2)
+    with m.running(plan([0, 1])):
+        m.fetch(0)
+        m.release(0)
+    with torch.no_grad():
+        m.stable["p0"].add_(1.0)  # what an optimizer step does
+    with m.running(plan([0, 1])):
+        assert torch.equal(m.fetch(0)["p0"], torch.full((8, 8), 1.0))
+    assert m.stats.loads == 2
+
+
+def test_gradients_land_in_the_host_buffer_of_the_stable_parameter():
+    m = manager(1, resident=1)
+    with m.running(plan([0])):
+        w = m.fetch(0)["p0"]
+        (w * 3).sum().backward()
+    stable = m.stable["p0"]
+    assert torch.equal(stable.grad, torch.full((8, 8), 3.0))
+    assert stable.grad.data_ptr() == m.chunks[0].host_grad.data_ptr()
+    assert w.grad is None
