@@ -19,17 +19,21 @@ test-all: $(BUILT)
 # The main job: train the reference GPT through fxstar, then show the compiler's view of it.
 demo: $(BUILT)
 	$(BIN)/fxstar train --steps 200
-	$(BIN)/fxstar plan fxstar.models.gpt:tiny
 	@mkdir -p build
-	$(BIN)/fxstar diff fxstar.models.gpt:tiny capture shape_memory --passes shape_memory \
+	@echo "--- the same GPT family, parameters paged through 40% of their bytes ---"
+	$(BIN)/fxstar train --steps 20 --width 512 --layers 4 --heads 8 --batch-size 2 \
+		--seq-len 32 --device-memory 40% --timeline build/memory_timeline.png
+	$(BIN)/fxstar plan fxstar.models.gpt:tiny
+	$(BIN)/fxstar diff fxstar.models.gpt:tiny chunk_layout chunk_schedule --device-memory 1MiB \
 		> build/demo_diff.txt
-	@head -n 24 build/demo_diff.txt; echo "... (the whole diff: build/demo_diff.txt)"
+	@head -n 30 build/demo_diff.txt; echo "... (the whole diff: build/demo_diff.txt)"
 	$(BIN)/python examples/custom_pass.py > build/demo_custom_pass.txt
 	@tail -n 1 build/demo_custom_pass.txt
 
 bench: $(BUILT)
 	$(BIN)/python benchmarks/adam.py
 	$(BIN)/python benchmarks/compile.py
+	$(BIN)/python benchmarks/chunks.py
 
 lint: $(BUILT)
 	$(BIN)/ruff check fxstar tests benchmarks examples

@@ -14,6 +14,10 @@ import sys
 
 from fxstar.plan import Plan
 
+DEVICE_MEMORY_HELP = (
+    "compute-tier budget, e.g. 64MiB or 40%% (of the parameter bytes): parameters are paged "
+    "through it in chunks"
+)
 EPILOG = """TARGET is MODULE:FACTORY: a dotted module or a .py file, and a callable in it that
 returns (model, example_inputs[, plan]). fxstar.models.gpt:tiny is the reference GPT."""
 
@@ -26,6 +30,8 @@ def _plan(args: argparse.Namespace, base: Plan | None = None) -> Plan:
         changes["passes"] = [*plan.passes, *(p for p in args.passes.split(",") if p)]
     if getattr(args, "lr", None) is not None:
         changes["optimizer"] = dataclasses.replace(plan.optimizer, lr=args.lr)
+    if getattr(args, "device_memory", None) is not None:
+        changes["device_memory"] = args.device_memory
     return plan.replace(**changes) if changes else plan
 
 
@@ -78,6 +84,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         seed=args.seed,
         log_every=args.log_every,
         data=args.data,
+        timeline=args.timeline,
     )
     plan = _plan(args)
     result = train(config, plan, progress=not args.no_progress)
@@ -96,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("target", metavar="TARGET", help="MODULE:FACTORY")
         p.add_argument("--plan", metavar="PLAN.json", help="plan options as JSON")
         p.add_argument("--passes", metavar="A,B", help="passes to run in addition to the plan's")
+        p.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
         return p
 
     p = compiled("dump", "print one stage of the compiled graph")
@@ -122,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--lr", type=float, help="learning rate (default: the plan's)")
+    p.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
+    p.add_argument("--timeline", metavar="PNG", help="with --device-memory: memory per moment")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     p.add_argument("--data", metavar="TEXT_FILE", help="train on this text instead")

@@ -14,6 +14,7 @@ eval mode (dropout off) is a separate capture.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch import nn
 from fxstar.capture import capture
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, load_builtins, passes_for
-from fxstar.passes.chunk_layout import LAYOUT_KEY
+from fxstar.passes.chunk_layout import LAYOUT_KEY, check_chunk_options
 from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import EXPORT, Program
@@ -146,6 +147,7 @@ class Engine(nn.Module):
         self.chunks = ChunkManager(
             layout, self.store.tensors(), budget=budget, arena_capacity=capacity,
             device=device, static_share=static, mem_cache=plan.mem_cache,
+            monitor=plan.async_mem_monitor,
         )  # fmt: skip
         slots = layout.slots()
         for name, stable in self.chunks.stable.items():
@@ -257,6 +259,15 @@ class Engine(nn.Module):
             lines.append(line() if callable(line) else str(line))
         return "\n".join(lines)
 
+    def memory_timeline(self, path: str | os.PathLike = "memory_timeline.png") -> str:
+        """A PNG of memory per moment of the last step: chunks, activations, share, budget."""
+        from fxstar.timeline import plot_timeline
+
+        if self.chunks is None:
+            raise ValueError("memory_timeline needs the chunk engine: set plan.device_memory")
+        title = f"{type(self.model).__name__}: device_memory {format_size(self.chunks.budget)}"
+        return plot_timeline(self.chunks.tracer, self.chunks.budget, path, title)
+
     def extra_repr(self) -> str:
         return f"model={type(self.model).__name__}, passes={self.pass_manager.names}"
 
@@ -301,6 +312,7 @@ def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
     plan = Plan() if plan is None else plan
     load_builtins()  # passes mark the plan options they implement when imported
     plan.check_implemented()
+    check_chunk_options(plan)
     if plan.seed is not None:
         torch.manual_seed(plan.seed)
     engine = Engine(model, plan, dynamic_shapes=dynamic_shapes, method=method)

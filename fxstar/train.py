@@ -33,6 +33,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     data: str | None = None  # a text file; None: the text that ships with fxstar
+    timeline: str | None = None  # write the memory timeline PNG here (chunk engine only)
 
 
 @dataclass
@@ -135,6 +136,8 @@ def train(config: TrainConfig, plan: Plan, *, progress: bool = True) -> TrainRes
     )
     result.report = engine.report()
     print(result.report)
+    if config.timeline:
+        print(f"memory timeline: {engine.memory_timeline(config.timeline)}")
     return result
 
 

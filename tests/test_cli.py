@@ -71,3 +71,14 @@ def test_train_learns_and_writes_json(tmp_path, capsys):
     assert result["losses"][-1] < result["losses"][0]
     assert result["eval_loss"] == pytest.approx(result["eval_loss"])  # a number, not NaN
     assert result["config"]["steps"] == 25 and result["plan"]["optimizer"]["type"] == "adamw"
+
+
+def test_train_through_the_chunk_engine_draws_the_timeline(tmp_path, capsys):
+    png = tmp_path / "timeline.png"
+    args = ["train", "--steps", "3", "--layers", "1", "--width", "32", "--heads", "2",
+            "--seq-len", "16", "--no-progress", "--device-memory", "2MiB",
+            "--timeline", str(png)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "passes: shape_memory, chunk_layout, chunk_schedule" in out
+    assert "moved host->compute" in out and png.exists()

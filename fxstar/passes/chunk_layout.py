@@ -23,14 +23,29 @@ from fxstar.runtime.layout import ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.sizes import format_size
 
 mark_implemented("device_memory", "chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio",
-                 "mem_cache")  # fmt: skip
+                 "mem_cache", "async_mem_monitor")  # fmt: skip
 
 LAYOUT_KEY = "chunk_layout"  # Program.shared and Program.meta key
+# options that configure the chunk engine, which runs only when the plan sets a budget
+CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
+                 "async_mem_monitor")  # fmt: skip
 SEARCH_STEPS = 256  # candidate chunk sizes tried by the auto search
 
 
 class ChunkLayoutError(FxstarError, ValueError):
     """No chunk size satisfies the plan."""
+
+
+def check_chunk_options(plan) -> None:
+    """An option of the chunk engine without device_memory would do nothing: say so."""
+    if plan.device_memory is not None:
+        return
+    used = [name for name in plan.used_options() if name in CHUNK_OPTIONS]
+    if used:
+        raise ChunkLayoutError(
+            f"{', '.join(used)}: configure{'s' if len(used) == 1 else ''} the chunk engine, "
+            "which runs only with device_memory set; set device_memory or drop them"
+        )
 
 
 def budget_bytes(program: Program) -> int:

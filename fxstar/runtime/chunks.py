@@ -31,6 +31,7 @@ from fxstar.errors import FxstarError
 from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
+from fxstar.runtime.monitor import MemoryMonitor
 from fxstar.runtime.tracer import MemoryTracer
 
 
@@ -120,6 +121,7 @@ class ChunkManager:
         static_share: int | None = None,
         mem_cache: int = 2,
         prefetch: bool | None = None,
+        monitor: bool = False,
     ):
         self.layout = layout
         self.device = torch.device(device)
@@ -143,6 +145,7 @@ class ChunkManager:
         pin = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if pin else None
         self.chunks, self.stable = self._make_homes(params, pin)
+        self.monitor = MemoryMonitor(self._sample).start() if monitor else None
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -168,6 +171,12 @@ class ChunkManager:
             chunk.move(S.RELEASED)
             chunks.append(chunk)
         return chunks, stable
+
+    def _sample(self) -> tuple[int, int]:
+        if self.device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(self.device)
+            return self.resident_bytes(), allocated - self.arena.capacity
+        return self.resident_bytes(), self.tracer.live_bytes
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         host_grad = self.chunks[slot.chunk].host_grad
@@ -501,6 +510,11 @@ class ChunkManager:
             f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
             f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
         ]
+        if self.monitor is not None:
+            lines.append(
+                f"memory monitor: {len(self.monitor.samples):,} samples, peak "
+                f"{self.monitor.peak:,} bytes (chunks + activations)"
+            )
         if self.device.type == "cpu":
             lines.append(
                 "activations live in ordinary memory on this CPU-only machine; the tracer "

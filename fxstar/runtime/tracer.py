@@ -40,13 +40,22 @@ class _Saved:
 @dataclass
 class MemoryTracer:
     moments: list[Moment] = field(default_factory=list)
+    last_training: list[Moment] = field(default_factory=list)  # the last step with a backward
     live_bytes: int = 0
     peak_nonmodel: int = 0
     _live: dict[int, list[int]] = field(default_factory=dict)  # storage ptr -> [bytes, refs]
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin_step(self) -> None:
+        if any(m.phase == "backward" for m in self.moments):
+            self.last_training = self.moments
         self.moments = []
+
+    def training_step(self) -> list[Moment]:
+        """The moments of the latest step that ran a backward (else of the latest step)."""
+        if any(m.phase == "backward" for m in self.moments):
+            return self.moments
+        return self.last_training or self.moments
 
     def saved(self, t: torch.Tensor) -> _Saved:
         storage = t.untyped_storage()

@@ -93,3 +93,19 @@ def test_layout_is_shared_by_every_capture():
     assert len(engine.programs) == 2
     assert all(p.meta[LAYOUT_KEY] is first for p in engine.programs.values())
     assert torch.isfinite(engine(ids, targets))
+
+
+def test_chunk_options_without_a_budget_are_refused():
+    with pytest.raises(ChunkLayoutError, match="chunk_size, mem_cache: configure the chunk engine"):
+        compiled(tiny_gpt(), chunk_size=4096, mem_cache=0)
+
+
+def test_the_memory_monitor_samples_in_the_background():
+    engine = compiled(tiny_gpt(), device_memory=roomy(tiny_gpt()), async_mem_monitor=True)
+    ids, targets = tokens()
+    for _ in range(20):
+        engine(ids, targets).backward()
+    monitor = engine.chunks.monitor
+    monitor.stop()
+    assert monitor.samples and monitor.peak > 0
+    assert "memory monitor:" in engine.report()
