@@ -121,8 +121,9 @@ class Engine(nn.Module):
         check = None
         if self.plan.verify:
             check = Verifier(
-                self.model, args, kwargs, loss_fn=self.plan.loss_fn, seed=self.plan.seed or 0
-            )
+                self.model, args, kwargs, loss_fn=self.plan.loss_fn, seed=self.plan.seed or 0,
+                runner=self._run_for_verify,
+            )  # fmt: skip
             check.baseline()
             check(_CaptureCheck(), program)
         program = self.pass_manager.run(program, check=check)
@@ -133,28 +134,43 @@ class Engine(nn.Module):
         """Once per engine, after the chunk passes: the ChunkManager takes the parameters over.
         The model's parameters become the stable views of the chunks' host homes, so the model,
         the engine and any optimizer keep seeing one set of tensors."""
-        layout = program.meta.get(LAYOUT_KEY)
-        if layout is None or self.chunks is not None:
+        if LAYOUT_KEY not in program.meta or self.chunks is not None:
             return
-        plan = self.plan
-        budget = plan.resolve_size("device_memory", program.param_bytes)
-        static = int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition else None
-        device = next(iter(self.store.tensors().values())).device
-        # On a GPU the arena shares the card with activations, so it leaves them their peak;
-        # on CPU-only machines activations live elsewhere and the share is enforced per moment.
-        nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
-        capacity = budget if device.type == "cpu" else budget - nonmodel
-        self.chunks = ChunkManager(
-            layout, self.store.tensors(), budget=budget, arena_capacity=capacity,
-            device=device, static_share=static, mem_cache=plan.mem_cache,
-            monitor=plan.async_mem_monitor,
-        )  # fmt: skip
-        slots = layout.slots()
+        self.chunks = self._chunk_manager(program, self.store.tensors())
+        slots = self.chunks.layout.slots()
         for name, stable in self.chunks.stable.items():
             self.store.rebind(name, stable)
             for alias in slots[name].aliases:
                 owner, _, attr = alias.rpartition(".")
                 setattr(self.model.get_submodule(owner), attr, stable)
+
+    def _chunk_manager(self, program: Program, tensors: Mapping[str, torch.Tensor]):
+        plan = self.plan
+        budget = plan.resolve_size("device_memory", program.param_bytes)
+        static = int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition else None
+        device = next(iter(tensors.values())).device
+        # On a GPU the arena shares the card with activations, so it leaves them their peak;
+        # on CPU-only machines activations live elsewhere and the share is enforced per moment.
+        nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
+        capacity = budget if device.type == "cpu" else budget - nonmodel
+        return ChunkManager(
+            program.meta[LAYOUT_KEY], tensors, budget=budget, arena_capacity=capacity,
+            device=device, static_share=static, mem_cache=plan.mem_cache,
+            monitor=plan.async_mem_monitor,
+        )  # fmt: skip
+
+    def _run_for_verify(self, program: Program, args: tuple, kwargs: dict, tensors: dict) -> Any:
+        """plan.verify runs a chunked stage under a manager of its own, made from the
+        verifier's copies; the names it trains are rebound so their gradients are found."""
+        plan = program.meta.get(PLAN_KEY)
+        if plan is None:
+            return program.run(args, kwargs, tensors=tensors)
+        manager = self._chunk_manager(program, tensors)
+        for name, stable in manager.stable.items():
+            for alias in manager.layout.slots()[name].aliases:
+                tensors[alias] = stable
+        with manager.running(plan):
+            return program.run(args, kwargs, tensors=tensors)
 
     @property
     def program(self) -> Program:

@@ -63,8 +63,12 @@ class Verifier:
         *,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         seed: int = 0,
+        runner: Callable[[Program, tuple, dict, dict], Any] | None = None,
     ):
+        """`runner(program, args, kwargs, tensors)` runs a stage whose graph needs a runtime
+        (the chunk engine's); it may rebind names in `tensors` to what it trains instead."""
         self.model = model
+        self.runner = runner
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
         self.loss_fn = loss_fn
         self.seed = seed
@@ -128,9 +132,11 @@ class Verifier:
         return self._run(forward)
 
     def run_program(self, program: Program) -> RunResult:
-        return self._run(
-            lambda t: program.run(self.args, self.kwargs, tensors=t), program.store
-        )
+        if self.runner is not None:
+            run = lambda t: self.runner(program, self.args, self.kwargs, t)  # noqa: E731
+        else:
+            run = lambda t: program.run(self.args, self.kwargs, tensors=t)  # noqa: E731
+        return self._run(run, program.store)
 
     def baseline(self) -> None:
         """Take eager PyTorch as the reference for the first check."""

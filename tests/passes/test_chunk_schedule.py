@@ -103,3 +103,10 @@ def test_static_partition_keeps_chunks_to_the_warmup_share():
     engine(*inputs).backward()
     assert engine.chunks.share(0) == int(0.5 * budget)
     assert engine.chunks.arena.stats()["peak_in_use"] <= int(0.5 * budget)
+
+
+def test_plan_verify_checks_the_chunked_stage_bitwise():
+    inputs = tokens()
+    plan = Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs), verify=True)
+    engine = compile(tiny_gpt(), plan, inputs)  # raises VerifyError if any stage differs
+    assert engine.pass_manager.names[-1] == "chunk_schedule"

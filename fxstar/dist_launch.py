@@ -1,0 +1,58 @@
+"""Run a function on N local processes with a process group: tests and benchmarks.
+
+`torchrun` is the way to launch training; this is for code that wants the results of every
+rank back in the calling process (a test comparing ranks with a single-process model, a
+benchmark printing one table). The group rendezvous through a FileStore in a temporary
+directory, so no TCP port is needed; each worker runs with one intra-op thread by default,
+since N processes share the machine's cores.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn"]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, tmp: str, backend: str, threads: int,
+           args: tuple) -> None:  # fmt: skip
+    if threads:
+        torch.set_num_threads(threads)
+    store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    threads: int = 1,
+) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` on `world_size` spawned processes, each in an
+    initialised process group; return their results in rank order. `fn` must be importable
+    (a module-level function) and its result picklable. A worker's exception is raised here
+    with its traceback."""
+    with tempfile.TemporaryDirectory(prefix="fxstar_dist_") as tmp:
+        mp.start_processes(
+            _entry,
+            args=(fn, world_size, tmp, backend, threads, args),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        return [
+            torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

@@ -1,0 +1,234 @@
+"""tensor_parallel: split the model across the ranks of the process group, as tp_sharding
+decided.
+
+Each column/row linear becomes a call to `fxstar.runtime.dist.column_linear`/`row_linear` on
+this rank's weight shard (the store derives the shard; `engine.state_dict()` all-gathers it
+back, so call it on every rank); shape arguments between them get per-rank head counts; with
+sequence parallelism the edges tp_sharding found get `scatter_to_seq`, `gather_from_seq` and
+`grad_all_reduce` nodes. Every collective is a graph node, so `fxstar.dump`/`diff` show it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from fxstar.dump import NOTES_KEY
+from fxstar.passes import Pass, register
+from fxstar.passes.tp_sharding import META_KEY, LinearSite, Sharding, TPShardingError
+from fxstar.plan import mark_implemented
+from fxstar.program import Program
+from fxstar.runtime import dist as tp
+
+__all__ = ["TensorParallel", "shard_of", "unshard"]
+
+mark_implemented("tensor_parallel", "mem_saving_comm")
+
+
+def shard_of(full: torch.Tensor, dim: int, parts: int, n: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s slice of `full` along `dim`; a fused tensor (q, k, v stacked along `dim`)
+    gives each rank its slice of every part."""
+    return full.unflatten(dim, (parts, -1)).chunk(n, dim + 1)[rank].flatten(dim, dim + 1)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The inverse of `shard_of` over every rank's shard."""
+    pieces = [s.unflatten(dim, (parts, -1)) for s in shards]
+    return torch.cat(pieces, dim + 1).flatten(dim, dim + 1)
+
+
+def _consolidate(dim: int, parts: int):
+    def glue(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        (shard,) = tensors.values()
+        return unshard(tp.gather_shards(shard.detach()), dim, parts)
+
+    return glue
+
+
+def _local_val(val: Any, dim: int, n: int) -> Any:
+    """The node's value metadata with `dim` split n ways (dumps show per-rank shapes)."""
+    if isinstance(val, list | tuple):
+        return type(val)(_local_val(v, dim, n) for v in val)
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return val
+    shape = list(val.shape)
+    shape[dim] //= n
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return torch.empty(shape, dtype=val.dtype, device="meta")
+    with mode:
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+
+def _note(node: fx.Node, text: str) -> None:
+    node.meta.setdefault(NOTES_KEY, {})["tp"] = text
+
+
+@register
+class TensorParallel(Pass):
+    """Rewrite: sharded linears, per-rank shapes and collectives as graph nodes."""
+
+    name = "tensor_parallel"
+    requires = ("tp_sharding",)
+    after = ("tp_sharding",)
+    # first among rewrites: the others (and shape_memory's measurement) see per-rank tensors
+    before = ("shape_memory", "checkpoint", "checkpoint_regions", "offload_activations",
+              "tiled_linear", "chunk_layout", "chunk_schedule")  # fmt: skip
+    tolerance = (1e-5, 1e-6)
+
+    def enabled_by(self, plan: Any) -> bool:
+        return plan.tensor_parallel is not None and plan.tensor_parallel.size > 1
+
+    def __call__(self, program: Program) -> Program:
+        config = program.plan.tensor_parallel
+        if not dist.is_available() or not dist.is_initialized():
+            raise TPShardingError(
+                "tensor_parallel needs a process group: call "
+                "torch.distributed.init_process_group first (torchrun sets it up)"
+            )
+        if dist.get_world_size() != config.size:
+            raise TPShardingError(
+                f"plan.tensor_parallel.size is {config.size} but the process group has "
+                f"{dist.get_world_size()} ranks; they must be equal"
+            )
+        if program.plan.verify:
+            raise TPShardingError(
+                "plan.verify compares each stage with a single-process run on full tensors; a "
+                "tensor-parallel program computes on shards: turn verify off (compare the "
+                "consolidated gradients, store.consolidate_grads, with the model's instead)"
+            )
+        if program.store is None:
+            raise TPShardingError("tensor_parallel needs an engine's ParameterStore (compile)")
+        sharding: Sharding = program.meta[META_KEY]
+        _Rewrite(program, sharding, config, program.plan.mem_saving_comm).run()
+        return program
+
+
+class _Rewrite:
+    def __init__(self, program: Program, sharding: Sharding, config: Any, mem_saving: bool):
+        self.program = program
+        self.sharding = sharding
+        self.graph = program.graph_module.graph
+        self.nodes = {node.name: node for node in self.graph.nodes}
+        self.n, self.rank = config.size, dist.get_rank()
+        self.sp = config.sequence_parallel
+        self.async_comm = config.async_communication
+        self.recompute = config.recompute_allgather
+        self.mem_saving = mem_saving
+
+    def run(self) -> None:
+        s = self.sharding
+        self.full_vals = old_vals = {n: node.meta.get("val") for n, node in self.nodes.items()}
+        for name, args in s.args.items():
+            self.nodes[name].args = args
+        for name, dim in s.sharded.items():
+            self.nodes[name].meta["val"] = _local_val(old_vals[name], dim, self.n)
+        for name in s.seq_nodes:
+            self.nodes[name].meta["val"] = _local_val(old_vals[name], -2, self.n)
+        for site in s.sites:
+            self._replace_site(site)
+        self._boundaries(s.scatters, tp.scatter_to_seq, "scatter", -2)
+        self._boundaries(s.gathers, tp.gather_from_seq, "gather", -2)
+        self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce", None)
+        self.graph.lint()
+        self.program.graph_module.recompile()
+        self.program.refresh_param_uses()
+
+    # -- linears --------------------------------------------------------------------------------
+
+    def _shard_param(self, node_name: str, param: str, dim: int, parts: int) -> fx.Node:
+        """Feed this rank's shard of `param` through a new placeholder."""
+        n, rank = self.n, self.rank
+        parts_made = self.program.store.derive(
+            param,
+            lambda full: {"": shard_of(full, dim, parts, n, rank)},
+            _consolidate(dim, parts),
+        )
+        (full_name,) = parts_made
+        old = self.nodes[node_name]
+        new = self.program.add_input("parameter", full_name, f"{old.name}_tp")
+        new.meta.update(old.meta)
+        new.meta["val"] = _local_val(old.meta.get("val"), dim, n)
+        _note(new, f"shard(dim={dim}{f', parts={parts}' if parts > 1 else ''})")
+        info = self.program.param(node_name)
+        info.placeholders = tuple(new.name if p == old.name else p for p in info.placeholders)
+        info.shape = tuple(new.meta["val"].shape)
+        return new
+
+    def _replace_site(self, site: LinearSite) -> None:
+        column = site.style == "column"
+        # column: split the output features, row: the input features; nn.Linear stores
+        # [out, in], Conv1D [in, out]
+        wdim = int(column == site.transposed)
+        weight = self._shard_param(site.weight, site.weight_name, wdim, site.parts)
+        bias = self.nodes[site.bias] if site.bias else None
+        if bias is not None and column:
+            bias = self._shard_param(site.bias, site.bias_name, 0, site.parts)
+        x = self.nodes[site.input]
+        out = self.nodes[site.output]
+        kwargs = {"sequence_parallel": self.sp, "async_comm": self.async_comm}
+        if column:
+            kwargs["recompute"] = self.recompute
+        kwargs.update(mem_saving=self.mem_saving, transposed=site.transposed)
+        fn = tp.column_linear if column else tp.row_linear
+        with self.graph.inserting_before(out):
+            name = f"{site.style}_{site.module.replace('.', '_')}"
+            new = self.graph.create_node("call_function", fn, (x, weight, bias), kwargs, name=name)
+        new.meta["nn_module_stack"] = out.meta.get("nn_module_stack", {})
+        val = self.full_vals[site.output]
+        if column:
+            new.meta["val"] = _local_val(val, -1, self.n)
+        elif self.sp:
+            new.meta["val"] = _local_val(val, -2, self.n)
+        else:
+            new.meta["val"] = val
+        _note(new, site.style + (f"x{site.parts}" if site.parts > 1 else ""))
+        out.replace_all_uses_with(new)
+        for node_name in reversed(site.nodes):
+            self.graph.erase_node(self.nodes[node_name])
+        self.nodes[site.output] = new  # edges name the site's output: they mean the new node
+        for placeholder in (site.weight, site.bias if column else None):
+            node = self.nodes.get(placeholder) if placeholder else None
+            if node is not None and not node.users:
+                self.program.remove_input(node)
+
+    # -- collectives at the edges of the sequence-sharded region ---------------------------------
+
+    def _boundaries(self, edges, fn, label: str, dim: int | None) -> None:
+        made: dict[str, fx.Node] = {}
+        order = {node: i for i, node in enumerate(self.graph.nodes)}
+        for edge in sorted(edges, key=lambda e: order[self.nodes[e.consumer]]):
+            producer, consumer = self.nodes[edge.producer], self.nodes[edge.consumer]
+            new = made.get(edge.producer)
+            if new is None:
+                kwargs = {"mem_saving": self.mem_saving}
+                args = (producer,) if dim is None else (producer, dim)
+                with self.graph.inserting_before(consumer):
+                    new = self.graph.create_node(
+                        "call_function", fn, args, kwargs, name=f"{label}_{producer.name}"
+                    )
+                new.meta["nn_module_stack"] = consumer.meta.get("nn_module_stack", {})
+                val = producer.meta.get("val")
+                if label == "scatter":
+                    val = _local_val(val, -2, self.n)
+                elif label == "gather":
+                    val = _gathered_val(val, self.n)
+                new.meta["val"] = val
+                _note(new, label)
+                made[edge.producer] = new
+            consumer.replace_input_with(producer, new)
+
+
+def _gathered_val(val: Any, n: int) -> Any:
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = list(val.shape)
+    shape[-2] *= n
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return torch.empty(shape, dtype=val.dtype, device="meta")
+    with mode:
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
