@@ -14,6 +14,7 @@ eval mode (dropout off) is a separate capture.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,12 +29,18 @@ from fxstar.passes import PassManager, load_builtins, passes_for
 from fxstar.passes.chunk_layout import LAYOUT_KEY, check_chunk_options
 from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.passes.shape_memory import META_KEY
+from fxstar.plan import PlanError, mark_implemented
 from fxstar.program import EXPORT, Program
 from fxstar.runtime.chunks import ChunkManager
+from fxstar.runtime.loss_scale import LossScaler, scale_gradients
+from fxstar.runtime.optim import HybridAdam
 from fxstar.sizes import format_size
 from fxstar.verify import Verifier
 
 __all__ = ["Engine", "compile"]
+
+# the engine runs mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
+mark_implemented("precision", "loss_scale", "hybrid_adam")
 
 
 class _CaptureCheck:
@@ -63,11 +70,18 @@ class Engine(nn.Module):
         self.pass_manager = PassManager(passes_for(plan))
         self.programs: dict[tuple, Program] = {}
         self.training = model.training
-        self.store = ParameterStore(model)
+        self.compute_dtype = COMPUTE_DTYPES[plan.precision]
+        # What capture traces: the model itself, or for bf16/fp16 a copy in that precision (a
+        # graph traced in fp32 bakes fp32 into its casts); the model keeps the fp32 masters.
+        low = plan.precision != "fp32"
+        self.traced = _low_precision_copy(model, self.compute_dtype) if low else model
+        self.store = ParameterStore(self.traced)
+        self.scaler = LossScaler.from_config(plan.loss_scale) if plan.precision == "fp16" else None
         self.shared: dict[str, Any] = {}  # engine-wide pass decisions (Program.shared)
         self._optimizer: torch.optim.Optimizer | None = None
         self.chunks: ChunkManager | None = None  # set up by the chunk passes' first compile
         self._micro_steps = 0
+        self._registered_state: dict[str, Any] = {}  # saved with checkpoints (scheduler, ...)
         if plan.verify and method != EXPORT:
             raise ValueError("plan.verify needs method='export' (it feeds cloned parameters)")
 
@@ -77,9 +91,13 @@ class Engine(nn.Module):
         program = self.prepare(*args, **kwargs)
         plan = program.meta.get(PLAN_KEY)
         if self.chunks is None or plan is None:
-            return program.run(args, kwargs)
-        with self.chunks.running(plan):
-            return program.run(args, kwargs)
+            output = program.run(args, kwargs)
+        else:
+            with self.chunks.running(plan):
+                output = program.run(args, kwargs)
+        if self.scaler is not None and torch.is_grad_enabled():
+            output = _scale_loss(output, self.scaler.scale)
+        return output
 
     def prepare(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for these inputs, captured (and passes run) if not cached yet."""
@@ -109,7 +127,7 @@ class Engine(nn.Module):
     def _compile(self, args: tuple, kwargs: Mapping[str, Any]) -> Program:
         with torch.enable_grad():
             program = capture(
-                self.model,
+                self.traced,
                 args,
                 kwargs,
                 plan=self.plan,
@@ -121,7 +139,7 @@ class Engine(nn.Module):
         check = None
         if self.plan.verify:
             check = Verifier(
-                self.model, args, kwargs, loss_fn=self.plan.loss_fn, seed=self.plan.seed or 0,
+                self.traced, args, kwargs, loss_fn=self.plan.loss_fn, seed=self.plan.seed or 0,
                 runner=self._run_for_verify,
             )  # fmt: skip
             check.baseline()
@@ -136,7 +154,8 @@ class Engine(nn.Module):
         the engine and any optimizer keep seeing one set of tensors."""
         if LAYOUT_KEY not in program.meta or self.chunks is not None:
             return
-        self.chunks = self._chunk_manager(program, self.store.tensors())
+        masters = dict(self.model.named_parameters(remove_duplicate=False))
+        self.chunks = self._chunk_manager(program, self.store.tensors(), masters)
         slots = self.chunks.layout.slots()
         for name, stable in self.chunks.stable.items():
             self.store.rebind(name, stable)
@@ -144,17 +163,25 @@ class Engine(nn.Module):
                 owner, _, attr = alias.rpartition(".")
                 setattr(self.model.get_submodule(owner), attr, stable)
 
-    def _chunk_manager(self, program: Program, tensors: Mapping[str, torch.Tensor]):
+    def _chunk_manager(
+        self,
+        program: Program,
+        tensors: Mapping[str, torch.Tensor],
+        masters: Mapping[str, torch.Tensor] | None = None,
+    ) -> ChunkManager:
         plan = self.plan
+        layout = program.meta[LAYOUT_KEY]
+        nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
         budget = plan.resolve_size("device_memory", program.param_bytes)
+        if budget is None:  # mixed precision without a budget: every chunk stays resident
+            budget = nonmodel + (len(layout.chunks) + 1) * layout.chunk_bytes
         static = int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition else None
         device = next(iter(tensors.values())).device
         # On a GPU the arena shares the card with activations, so it leaves them their peak;
         # on CPU-only machines activations live elsewhere and the share is enforced per moment.
-        nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
         capacity = budget if device.type == "cpu" else budget - nonmodel
         return ChunkManager(
-            program.meta[LAYOUT_KEY], tensors, budget=budget, arena_capacity=capacity,
+            layout, tensors, masters=masters, budget=budget, arena_capacity=capacity,
             device=device, static_share=static, mem_cache=plan.mem_cache,
             monitor=plan.async_mem_monitor,
         )  # fmt: skip
@@ -186,7 +213,21 @@ class Engine(nn.Module):
         """The plan's optimizer over `engine.parameters()`, made on first use: passes may
         replace parameters (tiles, shards, chunk views) while compiling."""
         if self._optimizer is None:
-            self._optimizer = _make_optimizer(self.store, self.plan.optimizer)
+            opt = self.plan.optimizer
+            groups = _param_groups(self.store, opt)
+            if self.chunks is not None and opt.type in ("adam", "adamw"):
+                self._optimizer = HybridAdam(
+                    self.chunks, groups, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                    adamw=opt.type == "adamw", clip_grad_norm=opt.clip_grad_norm,
+                    scaler=self.scaler,
+                )  # fmt: skip
+            elif self.chunks is not None and self.chunks.low_precision:
+                raise PlanError(
+                    f"optimizer.type: {opt.type!r} cannot update bf16/fp16 chunks; "
+                    "use 'adam' or 'adamw' (HybridAdam), or precision 'fp32'"
+                )
+            else:
+                self._optimizer = _torch_optimizer(groups, opt)
         return self._optimizer
 
     def step(self) -> bool:
@@ -196,11 +237,60 @@ class Engine(nn.Module):
         opt = self.plan.optimizer
         if self._micro_steps % opt.accumulation_steps:
             return False
-        if opt.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.parameters()), opt.clip_grad_norm)
-        self.optimizer.step()
+        optimizer = self.optimizer
+        if isinstance(optimizer, HybridAdam):
+            stepped = optimizer.step()  # clipping and loss scaling fused into it
+        else:
+            if opt.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(list(self.parameters()), opt.clip_grad_norm)
+            stepped = optimizer.step() is not False
         self.zero_grad(set_to_none=True)
-        return True
+        return stepped
+
+    # -- checkpoints (fxstar/checkpoint.py) -----------------------------------------------------
+
+    def attach_scheduler(self, scheduler: Any) -> Any:
+        """Save and restore `scheduler` (made over `engine.optimizer`) with checkpoints. An
+        explicit call, since nothing links an optimizer to its schedulers; stepping it stays
+        the caller's (`scheduler.step()` after `engine.step()` returned True)."""
+        if getattr(scheduler, "optimizer", None) is not self.optimizer:
+            raise ValueError("attach_scheduler: the scheduler must be made over engine.optimizer")
+        return self.register_state("scheduler", scheduler)
+
+    def register_state(self, name: str, obj: Any) -> Any:
+        """Save `obj.state_dict()` under `name` in checkpoints; `engine.load` gives it back
+        through `obj.load_state_dict`."""
+        from fxstar.checkpoint import RESERVED
+
+        if name in RESERVED:
+            raise ValueError(f"register_state: {name!r} is reserved ({', '.join(RESERVED)})")
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ValueError(f"register_state: {obj!r} has no state_dict/load_state_dict")
+        self._registered_state[name] = obj
+        return obj
+
+    def training_state(self) -> dict[str, Any]:
+        """Step, RNG states, optimizer state and what is registered (see fxstar.checkpoint);
+        `state_dict()` stays the model's, so the eager model can load it."""
+        from fxstar.checkpoint import training_state
+
+        return training_state(self)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a checkpoint directory (parameters in safetensors, training state in JSON and
+        safetensors), replacing any previous one atomically."""
+        from fxstar.checkpoint import save
+
+        return str(save(self, path))
+
+    def load(self, path: str | os.PathLike, *, strict: bool = True, rng: bool = True) -> Any:
+        """Restore a checkpoint in place: parameters, optimizer, scheduler, step and RNG.
+        Returns the `fxstar.checkpoint.Checkpoint` read."""
+        from fxstar.checkpoint import load
+
+        checkpoint = load(path)
+        checkpoint.apply(self, strict=strict, rng=rng)
+        return checkpoint
 
     # -- nn.Module plumbing: the model's parameters, names, state and mode -------------------
 
@@ -231,6 +321,9 @@ class Engine(nn.Module):
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.chunks is not None:
+            self.chunks.zero_grad(set_to_none)
+            return
         for _, p in self.store.named_parameters():
             if p.grad is None:
                 continue
@@ -288,18 +381,41 @@ class Engine(nn.Module):
         return f"model={type(self.model).__name__}, passes={self.pass_manager.names}"
 
 
-def _make_optimizer(store: ParameterStore, opt: Any) -> torch.optim.Optimizer:
-    """The plan's torch optimizer, with no_decay parameters in a group of their own; name
-    patterns match the model's names (a tile matches what it was cut from)."""
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    return copy.deepcopy(model).to(dtype)
+
+
+def _scale_loss(output: Any, scale: float) -> Any:
+    """fp16: the loss the user calls backward on sends its gradient back multiplied by the
+    loss scale (its value stays unscaled)."""
+    if isinstance(output, torch.Tensor):
+        return scale_gradients(output, scale)
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        output["loss"] = scale_gradients(output["loss"], scale)
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (scale_gradients(output[0], scale), *output[1:])
+    raise TypeError("precision 'fp16' needs the model to return its loss (or a 'loss' entry)")
+
+
+def _param_groups(store: ParameterStore, opt: Any) -> list[dict[str, Any]]:
+    """no_decay parameters in a group of their own; name patterns match the model's names
+    (a tile matches what it was cut from)."""
     decay, no_decay = [], []
     for name, p in store.named_parameters():
         if p.requires_grad:
             (decay if opt.decays(store.origin(name)) else no_decay).append(p)
-    groups = [
+    return [
         {"params": ps, "weight_decay": wd}
         for ps, wd in ((decay, opt.weight_decay), (no_decay, 0.0))
         if ps
     ]
+
+
+def _torch_optimizer(groups: list[dict[str, Any]], opt: Any) -> torch.optim.Optimizer:
     if opt.type == "adamw":
         return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
     if opt.type == "adam":

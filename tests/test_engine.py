@@ -173,8 +173,8 @@ def test_accumulation_and_clipping():
 
 
 def test_unimplemented_plan_options_are_refused():
-    with pytest.raises(NotImplementedError, match="precision"):
-        compile(tiny_gpt(), Plan(precision="fp16"))
+    with pytest.raises(NotImplementedError, match="fake_dist"):
+        compile(tiny_gpt(), Plan(fake_dist=True))
 
 
 def test_report_mentions_parameters_and_memory():

@@ -4,8 +4,10 @@
 namespace {
 
 // The arithmetic follows torch.optim's single-tensor Adam operation by operation (lerp for the
-// first moment, division by the bias correction, constants rounded from double), and the
-// variants are built with -ffp-contract=off, so results stay within a few ulps of torch's.
+// first moment as a fused multiply-add, as torch's kernel computes it; division by the bias
+// correction; constants rounded from double), and the variants are built with
+// -ffp-contract=off so nothing else is fused: results stay within an ulp or two of torch's
+// (torch's own sqrt is not correctly rounded on every CPU, so bitwise equality is not possible).
 template <typename G, typename O>
 void adam_typed(const fxstar::AdamHyper& h, const fxstar::AdamBuffers& b, int threads) {
   using fxstar::store;
@@ -16,7 +18,6 @@ void adam_typed(const fxstar::AdamHyper& h, const fxstar::AdamBuffers& b, int th
   const float neg_step_size = static_cast<float>(-lr / bias1);
   const float bias2_sqrt = static_cast<float>(std::sqrt(bias2));
   const float weight1 = static_cast<float>(1.0 - beta1);  // lerp weight of the new gradient
-  const float keep1 = static_cast<float>(beta1);
   const bool lerp_from_self = weight1 < 0.5f;  // torch's lerp picks its formula by the weight
   const float b2 = static_cast<float>(beta2), one_minus_b2 = static_cast<float>(1.0 - beta2);
   const float eps = static_cast<float>(h.eps), scale = static_cast<float>(h.grad_scale);
@@ -35,9 +36,10 @@ void adam_typed(const fxstar::AdamHyper& h, const fxstar::AdamBuffers& b, int th
     const float gi = to_float(g[i]) * scale + l2 * pi;
     pi = pi * decay;
     const float mi_old = m[i];
-    const float mi = lerp_from_self ? mi_old + weight1 * (gi - mi_old)
-                                    : gi - (gi - mi_old) * keep1;
-    const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
+    // torch's lerp and addcmul kernels fuse their last multiply-add; so do these
+    const float mi = lerp_from_self ? std::fma(weight1, gi - mi_old, mi_old)
+                                    : std::fma(weight1 - 1.0f, gi - mi_old, gi);
+    const float vi = std::fma(one_minus_b2 * gi, gi, v[i] * b2);
     const float denom = std::sqrt(vi) / bias2_sqrt + eps;
     pi = pi + neg_step_size * mi / denom;
     m[i] = mi;

@@ -36,9 +36,15 @@ class ChunkLayoutError(FxstarError, ValueError):
     """No chunk size satisfies the plan."""
 
 
+def uses_chunks(plan) -> bool:
+    """A budget pages parameters through chunks; bf16/fp16 keep their low-precision copies and
+    fp32 masters in chunks too (all resident when there is no budget)."""
+    return plan.device_memory is not None or plan.precision != "fp32"
+
+
 def check_chunk_options(plan) -> None:
     """An option of the chunk engine without device_memory would do nothing: say so."""
-    if plan.device_memory is not None:
+    if uses_chunks(plan):
         return
     used = [name for name in plan.used_options() if name in CHUNK_OPTIONS]
     if used:
@@ -48,11 +54,9 @@ def check_chunk_options(plan) -> None:
         )
 
 
-def budget_bytes(program: Program) -> int:
-    budget = program.plan.resolve_size("device_memory", program.param_bytes)
-    if budget is None:
-        raise ChunkLayoutError("the chunk passes need plan.device_memory (the compute budget)")
-    return budget
+def budget_bytes(program: Program) -> int | None:
+    """The compute tier's budget in bytes; None when the plan sets none (all stays resident)."""
+    return program.plan.resolve_size("device_memory", program.param_bytes)
 
 
 def nonmodel_peak(program: Program) -> int:
@@ -135,7 +139,8 @@ def plan_layout(program: Program) -> ChunkLayout:
     dtype = params[0].dtype
     chunk_size = program.plan.chunk_size
     if chunk_size == "auto":
-        share = budget_bytes(program) - nonmodel_peak(program)
+        budget = budget_bytes(program)
+        share = float("inf") if budget is None else budget - nonmodel_peak(program)
         chunk_size = search_chunk_size(program, params, share)
     largest = max(params, key=lambda p: p.numel)
     if chunk_size < largest.numel:
@@ -162,7 +167,7 @@ class ChunkLayoutPass(Pass):
     requires = ("shape_memory",)
 
     def enabled_by(self, plan) -> bool:
-        return plan.device_memory is not None
+        return uses_chunks(plan)
 
     def __call__(self, program: Program) -> Program:
         layout = program.shared.get(LAYOUT_KEY)

@@ -25,7 +25,7 @@ from torch import fx
 
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
-from fxstar.passes.chunk_layout import LAYOUT_KEY, budget_bytes
+from fxstar.passes.chunk_layout import LAYOUT_KEY, budget_bytes, uses_chunks
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
@@ -193,7 +193,11 @@ def _next_original(node: fx.Node, estimate: dict[fx.Node, int]) -> int:
     return estimate.get(node, 0)
 
 
-def check_budget(plan: AccessPlan, layout: ChunkLayout, budget: int, static: int | None) -> None:
+def check_budget(
+    plan: AccessPlan, layout: ChunkLayout, budget: int | None, static: int | None
+) -> None:
+    if budget is None:
+        return  # no budget: every chunk stays resident
     for t in range(len(plan)):
         chunks = plan.pinned_at_once[t] * layout.chunk_bytes
         share = static if static is not None else budget - plan.nonmodel_bytes[t]
@@ -212,10 +216,10 @@ def check_budget(plan: AccessPlan, layout: ChunkLayout, budget: int, static: int
 
 
 def static_share(program: Program) -> int | None:
-    plan = program.plan
-    if not plan.static_partition:
+    plan, budget = program.plan, budget_bytes(program)
+    if not plan.static_partition or budget is None:
         return None
-    return int(plan.warmup_gpu_chunk_mem_ratio * budget_bytes(program))
+    return int(plan.warmup_gpu_chunk_mem_ratio * budget)
 
 
 @register
@@ -224,7 +228,7 @@ class ChunkSchedule(Pass):
     requires = ("chunk_layout", "shape_memory")
 
     def enabled_by(self, plan) -> bool:
-        return plan.device_memory is not None
+        return uses_chunks(plan)
 
     def __call__(self, program: Program) -> Program:
         layout: ChunkLayout = program.meta[LAYOUT_KEY]

@@ -64,13 +64,16 @@ RESIDENT = {S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}
 class Chunk:
     id: int
     slots: list[ParamSlot]
-    host: torch.Tensor  # chunk_size elements on the host tier (the master copy)
+    host: torch.Tensor  # chunk_size elements on the host tier: what the compute tier copies
     host_grad: torch.Tensor | None  # gradient buffer, or None for frozen chunks
     used: int = 0  # elements taken by parameters: only these are copied
+    master: torch.Tensor | None = None  # fp32 master when the chunks hold a lower precision
+    host_version: int = 0  # bumped when the host copy changes behind torch's back (our Adam)
+    synced_versions: tuple[int, ...] = ()  # masters' versions when `host` was made from them
     state: ChunkState = ChunkState.FREE
     offset: int | None = None  # arena byte offset while resident
     pins: int = 0
-    loaded_versions: tuple[int, ...] = ()  # versions of the stable parameters when copied
+    loaded_versions: tuple[int, ...] = ()  # host_version and stable versions when copied
     last_access: int = -1
 
     def move(self, new: ChunkState) -> None:
@@ -115,6 +118,7 @@ class ChunkManager:
         layout: ChunkLayout,
         params: dict[str, torch.Tensor],
         *,
+        masters: dict[str, torch.Tensor] | None = None,
         budget: int,
         arena_capacity: int,
         device: torch.device | str = "cpu",
@@ -144,33 +148,73 @@ class ChunkManager:
         self._step_bytes = 0
         pin = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if pin else None
-        self.chunks, self.stable = self._make_homes(params, pin)
+        self.low_precision = layout.dtype != torch.float32
+        self.grad_present: set[str] = set()  # slots given a gradient since the last zero_grad
+        self.chunks, self.stable = self._make_homes(params, masters or params, pin)
         self.monitor = MemoryMonitor(self._sample).start() if monitor else None
 
     # -- setup ----------------------------------------------------------------------------------
 
     def _make_homes(
-        self, params: dict[str, torch.Tensor], pin: bool
+        self, params: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], pin: bool
     ) -> tuple[list[Chunk], dict[str, nn.Parameter]]:
-        """Host homes for every chunk, filled from `params`; stable parameters view them."""
+        """Host homes for every chunk, filled from `params`; the stable parameters view them,
+        or, when chunks hold bf16/fp16, fp32 master chunks filled from `masters`."""
         lay = self.layout
         n = lay.chunk_size
-        host = host_empty(len(lay.chunks) * lay.chunk_bytes, zero=True, pin=pin).view(lay.dtype)
+        count = len(lay.chunks)
+        host = host_empty(count * lay.chunk_bytes, zero=True, pin=pin).view(lay.dtype)
+        master = None
+        if self.low_precision:
+            master = host_empty(count * n * 4, zero=True).view(torch.float32)
         trainable = [c for c in lay.chunks if c.trainable]
         grads = host_empty(len(trainable) * lay.chunk_bytes, zero=True, pin=pin).view(lay.dtype)
         grad_of = {c.id: grads[i * n : (i + 1) * n] for i, c in enumerate(trainable)}
         chunks, stable = [], {}
         for spec in lay.chunks:
-            chunk = Chunk(spec.id, spec.params, host[spec.id * n : (spec.id + 1) * n],
-                          grad_of.get(spec.id), spec.used)  # fmt: skip
+            part = slice(spec.id * n, (spec.id + 1) * n)
+            chunk = Chunk(spec.id, spec.params, host[part], grad_of.get(spec.id), spec.used,
+                          master[part] if master is not None else None)  # fmt: skip
+            home = chunk.master if chunk.master is not None else chunk.host
             for slot in spec.params:
-                view = chunk.host[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                view = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 with torch.no_grad():
-                    view.copy_(params[slot.name])
+                    view.copy_(masters[slot.name])
                 stable[slot.name] = nn.Parameter(view, requires_grad=slot.requires_grad)
             chunk.move(S.RELEASED)
             chunks.append(chunk)
+        for chunk in chunks:
+            self._sync_host(chunk, stable)
         return chunks, stable
+
+    def _sync_host(self, chunk: Chunk, stable: dict[str, nn.Parameter] | None = None) -> None:
+        """Round the fp32 masters into the chunk's low-precision host copy."""
+        if chunk.master is None:
+            return
+        stable = self.stable if stable is None else stable
+        chunk.host[: chunk.used].copy_(chunk.master[: chunk.used])
+        chunk.synced_versions = tuple(stable[s.name]._version for s in chunk.slots)
+        chunk.host_version += 1
+
+    def host_updated(self, chunk_id: int) -> None:
+        """The host copy of a chunk changed in a way torch cannot see (the C++ Adam wrote it):
+        a resident compute copy is stale."""
+        self.chunks[chunk_id].host_version += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.grad_present.clear()
+        for p in self.stable.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def slot_grad(self, slot: ParamSlot) -> torch.Tensor | None:
+        """This step's gradient of a parameter, or None when it got none."""
+        if self.low_precision:
+            return self.grad_view(slot) if slot.name in self.grad_present else None
+        return self.stable[slot.name].grad
 
     def _sample(self) -> tuple[int, int]:
         if self.device.type == "cuda":
@@ -332,7 +376,14 @@ class ChunkManager:
 
         def hook(leaf: torch.Tensor) -> None:
             grad, leaf.grad = leaf.grad, None
-            if stable.grad is None:
+            if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
+                buffer = self.grad_view(slot)
+                if slot.name in self.grad_present:
+                    buffer.add_(grad.to(buffer.device))
+                else:
+                    self._copy(buffer, grad, to_host=True)
+                    self.grad_present.add(slot.name)
+            elif stable.grad is None:
                 buffer = self.grad_view(slot)
                 self._copy(buffer, grad, to_host=True)  # a copy: bitwise what eager stores
                 stable.grad = buffer
@@ -414,9 +465,10 @@ class ChunkManager:
             self.stats.evictions += 1
 
     def _load(self, chunk: Chunk, offset: int, state: ChunkState = S.COMPUTE) -> None:
+        versions = self._versions(chunk)  # first: it may refresh the host copy from masters
         chunk.offset = offset
         self._copy(self._view(chunk, 0, (chunk.used,)), chunk.host[: chunk.used], to_host=False)
-        chunk.loaded_versions = self._versions(chunk)
+        chunk.loaded_versions = versions
         chunk.move(state)
         self.stats.loads += 1
 
@@ -454,7 +506,10 @@ class ChunkManager:
             self._load(chunk, offset, S.HOLD)
 
     def _versions(self, chunk: Chunk) -> tuple[int, ...]:
-        return tuple(self.stable[s.name]._version for s in chunk.slots)
+        stable = tuple(self.stable[s.name]._version for s in chunk.slots)
+        if chunk.master is not None and stable != chunk.synced_versions:
+            self._sync_host(chunk)  # someone changed the masters: round them again
+        return (chunk.host_version, *stable)
 
     def _stale(self, chunk: Chunk) -> bool:
         return chunk.loaded_versions != self._versions(chunk)

@@ -1,0 +1,136 @@
+"""HybridAdam: Adam/AdamW over the chunks, with the C++ CPU kernels, as a torch Optimizer.
+
+The fp32 master parameters (the host homes of the chunks, or master chunks when the compute
+copies are bf16/fp16), `exp_avg` and `exp_avg_sq` live in host chunks laid out like the
+parameter chunks. A step first takes the global decision in one read of every gradient (the
+`_C` stats pass: the sum of squares for the clip norm, finiteness for fp16 overflow), so an
+overflow skips the whole step with nothing written; then it updates chunk by chunk with the
+unscale and clip factor fused into the kernel, writing the low-precision copy the compute tier
+fetches in the same pass.
+
+It subclasses torch.optim.Optimizer, so `torch.optim.lr_scheduler` drives its param groups'
+`lr`; the tensors in its groups are the engine's stable parameters and never move.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fxstar.runtime import cpu_adam
+from fxstar.runtime.chunks import ChunkManager
+from fxstar.runtime.host import host_empty
+from fxstar.runtime.layout import ParamSlot
+from fxstar.runtime.loss_scale import LossScaler
+
+
+class HybridAdam(torch.optim.Optimizer):
+    def __init__(
+        self,
+        manager: ChunkManager,
+        param_groups: list[dict[str, Any]],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adamw: bool = True,
+        clip_grad_norm: float | None = None,
+        scaler: LossScaler | None = None,
+    ):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        self.manager = manager
+        self.adamw = adamw
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = scaler
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        lay = manager.layout
+        trainable = [c for c in manager.chunks if c.host_grad is not None]
+        n = lay.chunk_size
+        moments = host_empty(2 * len(trainable) * n * 4, zero=True).view(torch.float32)
+        self._slots: dict[int, tuple[ParamSlot, dict]] = {}  # id(param) -> (slot, group)
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for i, chunk in enumerate(trainable):
+            exp_avg = moments[2 * i * n : (2 * i + 1) * n]
+            exp_avg_sq = moments[(2 * i + 1) * n : (2 * i + 2) * n]
+            for slot in chunk.slots:
+                param = manager.stable[slot.name]
+                if id(param) not in group_of:
+                    continue
+                part = slice(slot.offset, slot.offset + slot.numel)
+                self.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": exp_avg[part].view(slot.shape),
+                    "exp_avg_sq": exp_avg_sq[part].view(slot.shape),
+                }
+                self._slots[id(param)] = (slot, group_of[id(param)])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.zero_grad(set_to_none)
+
+    def _present(self) -> list[tuple[torch.nn.Parameter, ParamSlot, dict, torch.Tensor]]:
+        out = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                slot, _ = self._slots[id(param)]
+                grad = self.manager.slot_grad(slot)
+                if grad is not None:
+                    out.append((param, slot, group, grad))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """One update of every parameter that has a gradient; False when an overflow skipped
+        it. The clip norm and the overflow are decided over all gradients first."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        present = self._present()
+        sum_sq, finite = 0.0, True
+        for _, _, _, grad in present:
+            stats = cpu_adam.grad_stats(grad)
+            sum_sq += stats.sum_sq
+            finite = finite and stats.finite
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is not None:
+            self.scaler.update(overflow=not finite)
+        if not finite:
+            self.skipped_steps += 1
+            return False
+        grad_scale = 1.0 / scale
+        self.last_grad_norm = math.sqrt(sum_sq) / scale
+        if self.clip_grad_norm is not None:
+            grad_scale *= min(1.0, self.clip_grad_norm / (self.last_grad_norm + 1e-6))
+        touched = set()
+        for param, slot, group, grad in present:
+            state = self.state[param]
+            state["step"] += 1
+            chunk = self.manager.chunks[slot.chunk]
+            out = None
+            if chunk.master is not None:
+                out = chunk.host[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            cpu_adam.adam_step(
+                param, grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]),
+                lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
+                out=out,
+            )  # fmt: skip
+            touched.add(slot.chunk)
+        for chunk_id in touched:
+            self.manager.host_updated(chunk_id)
+        return True
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's loading replaces state tensors; copy the values into the chunks instead."""
+        views = {id(p): dict(s) for p, s in self.state.items()}
+        super().load_state_dict(state_dict)
+        for param in list(self.state):
+            loaded, chunked = self.state[param], views.get(id(param))
+            if chunked is None:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                chunked[key].copy_(loaded[key])
+            chunked["step"] = torch.as_tensor(loaded["step"], dtype=torch.float32).clone()
+            self.state[param] = chunked

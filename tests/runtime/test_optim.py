@@ -1,0 +1,178 @@
+"""HybridAdam through the engine against torch's AdamW on the eager model; precision, loss
+scaling, clipping and accumulation."""
+
+import pytest
+import torch
+from conftest import hf_llama, tiny_gpt, tokens
+
+from fxstar.engine import compile
+from fxstar.passes.chunk_layout import nonmodel_peak
+from fxstar.plan import Plan
+from fxstar.runtime.loss_scale import LossScaler
+from fxstar.runtime.optim import HybridAdam
+from fxstar.train import TrainConfig, train
+
+OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
+
+
+def call(kind, model, ids, targets):
+    return model(ids, targets) if kind == "gpt" else model(input_ids=ids, labels=targets).loss
+
+
+def example(kind, ids, targets):
+    if kind == "gpt":
+        return {"example_inputs": (ids, targets)}
+    return {"example_kwargs": {"input_ids": ids, "labels": targets}}
+
+
+def gpt_without_biases(seed: int = 0):
+    """nanoGPT's bias=False form. With biases, the attention key bias has an exactly-zero true
+    gradient, so what autograd gives it is rounding noise, which Adam scales up to full steps
+    of +-lr: any two Adam implementations that differ by an ulp (torch's own sqrt is not
+    correctly rounded here) drift apart there, which says nothing about the optimizer."""
+    from fxstar.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                         dropout=0.1, bias=False))  # fmt: skip
+
+
+FACTORIES = {"gpt": gpt_without_biases, "llama": hf_llama}
+
+
+def tight(kind) -> int:
+    ids, targets = tokens()
+    program = compile(FACTORIES[kind](), Plan(passes=["shape_memory"]),
+                      **example(kind, ids, targets)).program  # fmt: skip
+    return nonmodel_peak(program) + int(0.4 * program.param_bytes)
+
+
+def reference_optimizer(model, plan, clip=None):
+    decay = [p for n, p in model.named_parameters() if plan.optimizer.decays(n)]
+    rest = [p for n, p in model.named_parameters() if not plan.optimizer.decays(n)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=OPT["lr"])
+
+
+def assert_params_match(eager, engine):
+    for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+        err = float((q.detach().double() - p.detach().double()).norm() / p.detach().double().norm())
+        assert err <= 1e-6, (name, err, float(p.double().norm()))
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "host-only"])
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_fp32_twenty_steps_match_torch_adamw(kind, hybrid):
+    eager, model = FACTORIES[kind](), FACTORIES[kind]()
+    plan = Plan(device_memory=tight(kind), optimizer=OPT, hybrid_adam=hybrid)
+    engine = compile(model, plan, **example(kind, *tokens()))
+    assert isinstance(engine.optimizer, HybridAdam)
+    reference = reference_optimizer(eager, plan)
+    for step in range(20):
+        ids, targets = tokens(seed=step)
+        torch.manual_seed(step)
+        call(kind, eager, ids, targets).backward()
+        reference.step()
+        reference.zero_grad()
+        torch.manual_seed(step)
+        call(kind, engine, ids, targets).backward()
+        assert engine.step()
+    assert_params_match(eager, engine)
+
+
+def test_clipping_matches_clip_grad_norm():
+    eager, model = gpt_without_biases(), gpt_without_biases()
+    plan = Plan(device_memory=tight("gpt"), optimizer={**OPT, "clip_grad_norm": 0.05})
+    engine = compile(model, plan, **example("gpt", *tokens()))
+    reference = reference_optimizer(eager, plan)
+    for step in range(5):
+        ids, targets = tokens(seed=step)
+        torch.manual_seed(step)
+        eager(ids, targets).backward()
+        norm = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.05)
+        reference.step()
+        reference.zero_grad()
+        torch.manual_seed(step)
+        engine(ids, targets).backward()
+        engine.step()
+        assert engine.optimizer.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+        assert float(norm) > 0.05  # the clip really acted
+    assert_params_match(eager, engine)
+
+
+def test_accumulation_over_four_micro_batches():
+    eager, model = gpt_without_biases(), gpt_without_biases()
+    plan = Plan(device_memory=tight("gpt"), optimizer={**OPT, "accumulation_steps": 4})
+    engine = compile(model, plan, **example("gpt", *tokens()))
+    reference = reference_optimizer(eager, plan)
+    for step in range(2):
+        for micro in range(4):
+            ids, targets = tokens(seed=10 * step + micro)
+            torch.manual_seed(micro)
+            (eager(ids, targets) / 4).backward()
+            torch.manual_seed(micro)
+            (engine(ids, targets) / 4).backward()
+            assert engine.step() == (micro == 3)
+        reference.step()
+        reference.zero_grad()
+    assert_params_match(eager, engine)
+
+
+def test_lr_scheduler_drives_the_groups():
+    engine = compile(tiny_gpt(), Plan(precision="bf16", optimizer=OPT), **example("gpt", *tokens()))
+    scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    ids, targets = tokens()
+    engine(ids, targets).backward()
+    engine.step()
+    scheduler.step()
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [OPT["lr"] / 2] * 2
+
+
+def demo_loss(precision: str) -> float:
+    """The demo job (the reference GPT on the shipped text), small, for 50 steps: the mean
+    loss of the last ten steps."""
+    config = TrainConfig(steps=50, batch_size=4, seq_len=32, n_layer=2, n_head=2, n_embd=64,
+                         log_every=0)  # fmt: skip
+    result = train(config, Plan(precision=precision, optimizer={"lr": 3e-3}), progress=False)
+    return sum(result.losses[-10:]) / 10
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_loss_within_two_percent_of_fp32(precision):
+    assert demo_loss(precision) == pytest.approx(demo_loss("fp32"), rel=0.02)
+
+
+def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
+    ids, targets = tokens()
+    plan = Plan(precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 1})
+    engine = compile(tiny_gpt(dropout=0.0), plan, (ids, targets))
+    engine(ids, targets).backward()
+    assert engine.step()
+    assert engine.scaler.scale == 256.0
+    before = [p.detach().clone() for p in engine.parameters()]
+    engine(ids, targets).backward()
+    engine.chunks.chunks[0].host_grad[3] = float("inf")  # a planted overflow
+    assert not engine.step()
+    assert engine.scaler.scale == 128.0 and engine.optimizer.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.parameters(), strict=True))
+    engine(ids, targets).backward()
+    assert engine.step()  # and the next step runs again
+    assert not all(torch.equal(a, b) for a, b in zip(before, engine.parameters(), strict=True))
+
+
+def test_dynamic_loss_scaler():
+    scaler = LossScaler(scale=8.0, window=2, hysteresis=2, overflows_left=2, min_scale=2.0)
+    scaler.update(overflow=False)
+    scaler.update(overflow=False)
+    assert scaler.scale == 16.0  # a clean window doubles
+    scaler.update(overflow=True)
+    assert scaler.scale == 16.0  # hysteresis: the first overflow is tolerated
+    scaler.update(overflow=True)
+    assert scaler.scale == 8.0
+    for _ in range(6):
+        scaler.update(overflow=True)
+    assert scaler.scale == 2.0 and scaler.skipped_steps == 8  # never below the minimum
+    fixed = LossScaler(scale=4.0, dynamic=False)
+    fixed.update(overflow=True)
+    assert fixed.scale == 4.0
