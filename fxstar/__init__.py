@@ -7,6 +7,7 @@ print(fxstar.dump(engine)); print(fxstar.diff(engine, "capture", "shape_memory")
 
 from fxstar import _C, passes
 from fxstar.capture import capture
+from fxstar.checkpoint import Checkpoint, CheckpointError, load
 from fxstar.dump import diff, draw, dump
 from fxstar.engine import Engine, compile
 from fxstar.errors import CaptureError, FxstarError, IRError, PassOrderError, VerifyError
@@ -23,6 +24,8 @@ from fxstar.program import Program, Stage
 __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
+    "Checkpoint",
+    "CheckpointError",
     "Engine",
     "FxstarError",
     "IRError",
@@ -42,5 +45,6 @@ __all__ = [
     "diff",
     "draw",
     "dump",
+    "load",
     "passes",
 ]

@@ -121,8 +121,10 @@ class ParameterStore:
                 glued = None
             else:
                 glued = derived.consolidate(
-                    {n: torch.zeros_like(derived.parts[n]) if g is None else g
-                     for n, g in got.items()}  # fmt: skip
+                    {
+                        n: torch.zeros_like(derived.parts[n]) if g is None else g
+                        for n, g in got.items()
+                    }  # fmt: skip
                 )
             for alias in self.aliases(canonical):
                 out[alias] = glued

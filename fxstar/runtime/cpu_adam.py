@@ -18,9 +18,17 @@ class GradStats(NamedTuple):
     finite: bool  # every element finite (no inf, no nan)
 
 
-def default_threads() -> int:
-    """The kernels use as many threads as torch's intra-op pool unless told otherwise."""
-    return torch.get_num_threads()
+ELEMENTS_PER_THREAD = 1 << 18  # below this a second thread costs more than it saves
+
+
+def default_threads(numel: int | None = None) -> int:
+    """As many threads as torch's intra-op pool, but one per 256K elements at most: waking an
+    OpenMP team costs tens of microseconds, and on a busy machine a barrier can wait a whole
+    scheduler slice for a descheduled thread."""
+    threads = torch.get_num_threads()
+    if numel is not None:
+        threads = min(threads, max(1, numel // ELEMENTS_PER_THREAD))
+    return threads
 
 
 def _plain(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -65,7 +73,7 @@ def adam_step(
         adamw=adamw,
         grad_scale=grad_scale,
         out=_plain(out),
-        num_threads=num_threads or default_threads(),
+        num_threads=num_threads or default_threads(param.numel()),
         variant=variant or "",
     )
 
@@ -74,9 +82,8 @@ def grad_stats(
     grad: torch.Tensor, *, num_threads: int | None = None, variant: str | None = None
 ) -> GradStats:
     """Sum of squares and finiteness of a gradient buffer, in one read."""
-    sum_sq, finite = _C.grad_stats(
-        _plain(grad), num_threads=num_threads or default_threads(), variant=variant or ""
-    )
+    threads = num_threads or default_threads(grad.numel() // 4)  # a read-only pass
+    sum_sq, finite = _C.grad_stats(_plain(grad), num_threads=threads, variant=variant or "")
     return GradStats(sum_sq, finite)
 
 

@@ -26,6 +26,12 @@ from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
 
 
+def _extend(view: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """The n elements starting at `view`'s first: the moments of a run are contiguous in their
+    chunk, beyond the first parameter's own view."""
+    return view.as_strided((n,), (1,), view.storage_offset() + offset)
+
+
 class HybridAdam(torch.optim.Optimizer):
     def __init__(
         self,
@@ -50,7 +56,7 @@ class HybridAdam(torch.optim.Optimizer):
         trainable = [c for c in manager.chunks if c.host_grad is not None]
         n = lay.chunk_size
         moments = host_empty(2 * len(trainable) * n * 4, zero=True).view(torch.float32)
-        self._slots: dict[int, tuple[ParamSlot, dict]] = {}  # id(param) -> (slot, group)
+        self._slots: dict[int, ParamSlot] = {}  # id(param) -> its place in the chunks
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for i, chunk in enumerate(trainable):
             exp_avg = moments[2 * i * n : (2 * i + 1) * n]
@@ -65,20 +71,51 @@ class HybridAdam(torch.optim.Optimizer):
                     "exp_avg": exp_avg[part].view(slot.shape),
                     "exp_avg_sq": exp_avg_sq[part].view(slot.shape),
                 }
-                self._slots[id(param)] = (slot, group_of[id(param)])
+                self._slots[id(param)] = slot
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.zero_grad(set_to_none)
 
-    def _present(self) -> list[tuple[torch.nn.Parameter, ParamSlot, dict, torch.Tensor]]:
-        out = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                slot, _ = self._slots[id(param)]
+    def _runs(self) -> list[tuple[list[torch.nn.Parameter], dict, slice, torch.Tensor]]:
+        """The parameters to update, merged into runs that one kernel call can take: adjacent
+        in their chunk, in one param group, at the same step, with their gradients in the
+        chunk's gradient buffer. A gradient a user put elsewhere makes a run of its own."""
+        runs: list[tuple[list[torch.nn.Parameter], dict, slice, torch.Tensor]] = []
+        # looked up each step: loading a state dict replaces the group dicts
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for chunk in self.manager.chunks:
+            if chunk.host_grad is None:
+                continue
+            base = chunk.host_grad.data_ptr()
+            itemsize = chunk.host_grad.element_size()
+            for slot in chunk.slots:
+                param = self.manager.stable[slot.name]
+                if id(param) not in self._slots:
+                    continue
                 grad = self.manager.slot_grad(slot)
-                if grad is not None:
-                    out.append((param, slot, group, grad))
-        return out
+                if grad is None:
+                    continue
+                group = group_of[id(param)]
+                in_buffer = grad.data_ptr() == base + slot.offset * itemsize
+                span = slice(slot.offset, slot.offset + slot.numel)
+                if runs and in_buffer:
+                    params, g, last, flat = runs[-1]
+                    prev = self._slots[id(params[-1])]
+                    if (
+                        g is group
+                        and last.stop == slot.offset
+                        and prev.chunk == slot.chunk
+                        and flat is chunk.host_grad
+                        and self.state[params[-1]]["step"] == self.state[param]["step"]
+                    ):
+                        params.append(param)
+                        runs[-1] = (params, g, slice(last.start, span.stop), flat)
+                        continue
+                runs.append(([param], group, span, chunk.host_grad if in_buffer else grad))
+        return runs
+
+    def _in_buffer(self, grad: torch.Tensor) -> bool:
+        return any(grad is c.host_grad for c in self.manager.chunks)
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
@@ -87,9 +124,11 @@ class HybridAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        present = self._present()
+        runs = self._runs()
+        # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
+        grads = [flat[span] if self._in_buffer(flat) else flat for _, _, span, flat in runs]
         sum_sq, finite = 0.0, True
-        for _, _, _, grad in present:
+        for grad in grads:
             stats = cpu_adam.grad_stats(grad)
             sum_sq += stats.sum_sq
             finite = finite and stats.finite
@@ -104,18 +143,23 @@ class HybridAdam(torch.optim.Optimizer):
         if self.clip_grad_norm is not None:
             grad_scale *= min(1.0, self.clip_grad_norm / (self.last_grad_norm + 1e-6))
         touched = set()
-        for param, slot, group, grad in present:
-            state = self.state[param]
-            state["step"] += 1
+        for (params, group, span, _), grad in zip(runs, grads, strict=True):
+            slot = self._slots[id(params[0])]
             chunk = self.manager.chunks[slot.chunk]
-            out = None
-            if chunk.master is not None:
-                out = chunk.host[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            home = chunk.master if chunk.master is not None else chunk.host
+            first = self.state[params[0]]
+            for p in params:
+                self.state[p]["step"] += 1
+            step = int(first["step"])
+            offset = span.start - slot.offset  # where the run starts within the moments
+            moments = first["exp_avg"].view(-1), first["exp_avg_sq"].view(-1)
+            n = span.stop - span.start
             cpu_adam.adam_step(
-                param, grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"]),
-                lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                home[span], grad.reshape(-1),
+                _extend(moments[0], offset, n), _extend(moments[1], offset, n),
+                step=step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                 weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
-                out=out,
+                out=chunk.host[span] if chunk.master is not None else None,
             )  # fmt: skip
             touched.add(slot.chunk)
         for chunk_id in touched:

@@ -1,0 +1,461 @@
+"""Checkpoints: an engine's parameters and training state on disk, so a run resumes exactly.
+
+A checkpoint is a directory:
+
+    model.safetensors     consolidated parameters and buffers under the model's own names
+                          (what `engine.state_dict()` gives); a tied weight once, its other
+                          names in the metadata ("fxstar.aliases"), since safetensors refuses
+                          tensors that share memory
+    training.safetensors  every tensor of the training state (optimizer moments, RNG states)
+    training.json         the training state's structure, with {"__tensor__": key} where a
+                          tensor of training.safetensors goes; step, scheduler and RNG state
+
+The training state is `engine.training_state()`: the step count, the RNG states (torch CPU,
+every CUDA device, Python's and NumPy's), `engine.optimizer.state_dict()`, the names of the
+parameters its integer ids stand for (so a checkpoint loads even if the parameter order
+changed), and the state of everything the engine saves along: its loss scaler (fp16's
+`engine.scaler`) under "loss_scaler", a scheduler given to `engine.attach_scheduler`, objects
+given to `engine.register_state`.
+
+`save` writes into `<dir>.tmp-XXXX` next to the target, moves the old `<dir>` aside to
+`<dir>.old-XXXX`, renames the new one into place and deletes the old: a crash at any point
+leaves the previous checkpoint whole, and `load` finds it under `.old-` if it was caught
+between the two renames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from fxstar.errors import FxstarError
+
+if TYPE_CHECKING:
+    from fxstar.engine import Engine
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "load",
+    "load_parameters",
+    "restore_training_state",
+    "save",
+    "training_state",
+]
+
+FORMAT = "fxstar-checkpoint"
+VERSION = 1
+PARAMETERS = "model.safetensors"
+TENSORS = "training.safetensors"
+STATE = "training.json"
+ALIASES_KEY = "fxstar.aliases"
+RESERVED = ("step", "rng", "optimizer", "optimizer_params")
+
+
+class CheckpointError(FxstarError, ValueError):
+    """A checkpoint that does not fit the model (every difference listed), or is unreadable."""
+
+
+# -- the training state -------------------------------------------------------------------------
+
+
+def training_state(engine: Engine) -> dict[str, Any]:
+    """Everything besides the parameters that a resumed run needs (tensors still in place)."""
+    optimizer = engine.optimizer
+    state: dict[str, Any] = {
+        "step": {
+            "micro_steps": engine._micro_steps,
+            "optimizer_steps": engine._micro_steps // engine.plan.optimizer.accumulation_steps,
+        },
+        "rng": rng_state(),
+        "optimizer": optimizer.state_dict(),
+        "optimizer_params": _optimizer_names(engine, optimizer),
+    }
+    for name, obj in stateful(engine).items():
+        state[name] = obj.state_dict()
+    return state
+
+
+def stateful(engine: Engine) -> dict[str, Any]:
+    """The objects saved along with the optimizer: a loss scaler, a scheduler, registered ones."""
+    objects = {}
+    for attribute in ("scaler", "loss_scaler"):  # fp16's dynamic loss scale
+        scaler = getattr(engine, attribute, None)
+        if scaler is not None and hasattr(scaler, "state_dict"):
+            objects["loss_scaler"] = scaler
+            break
+    objects.update(getattr(engine, "_registered_state", {}))
+    return objects
+
+
+def restore_training_state(
+    engine: Engine, state: Mapping[str, Any], *, strict: bool = True, rng: bool = True
+) -> None:
+    """Put a `training_state()` back: optimizer, saved-along objects, step, then RNG last."""
+    objects = stateful(engine)
+    if strict:
+        problems = [f"the checkpoint has {n!r} state but the engine has nothing to load it into"
+                    for n in state if n not in RESERVED and n not in objects]  # fmt: skip
+        problems += [f"the engine's {n!r} has no state in the checkpoint"
+                     for n in objects if n not in state]  # fmt: skip
+        if problems:
+            raise CheckpointError(
+                "training state does not match the engine:\n  " + "\n  ".join(problems)
+                + "\n(attach or register the missing objects, or pass strict=False)"
+            )  # fmt: skip
+    optimizer_state = state["optimizer"]
+    if state.get("optimizer_params") is not None:
+        optimizer_state = _remap_optimizer(engine, optimizer_state, state["optimizer_params"])
+    engine.optimizer.load_state_dict(optimizer_state)
+    for name, obj in objects.items():
+        if name in state:
+            obj.load_state_dict(state[name])
+    engine._micro_steps = int(state["step"]["micro_steps"])
+    if rng:
+        set_rng_state(state["rng"])
+
+
+def _optimizer_names(engine: Engine, optimizer: Any) -> list[list[str]] | None:
+    """Per param group, the engine's name of each parameter the optimizer holds."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return None
+    name_of = {id(p): n for n, p in engine.named_parameters()}
+    try:
+        return [[name_of[id(p)] for p in group["params"]] for group in groups]
+    except KeyError:
+        return None  # an optimizer over tensors the engine does not name: keep torch's ids
+
+
+def _remap_optimizer(engine: Engine, saved: dict[str, Any], names: list[list[str]]) -> dict:
+    """torch keys optimizer state by position; map the saved positions to today's by name."""
+    current = _optimizer_names(engine, engine.optimizer)
+    groups = saved.get("param_groups")
+    if current is None or groups is None:
+        return saved
+    problems = []
+    if len(current) != len(names) or len(groups) != len(names):
+        problems.append(f"{len(names)} param groups saved, the optimizer has {len(current)}")
+    for i, (was, now) in enumerate(zip(names, current)):
+        missing, unexpected = sorted(set(now) - set(was)), sorted(set(was) - set(now))
+        if missing:
+            problems.append(f"group {i}: missing in the checkpoint: {', '.join(missing)}")
+        if unexpected:
+            problems.append(f"group {i}: not in the optimizer: {', '.join(unexpected)}")
+    if problems:
+        raise CheckpointError("optimizer state does not match:\n  " + "\n  ".join(problems))
+    index = {n: i for i, n in enumerate(n for group in current for n in group)}
+    new_id = {}
+    for group, group_names in zip(groups, names):
+        for old, name in zip(group["params"], group_names):
+            new_id[old] = index[name]
+    return {
+        **saved,
+        "state": {new_id[k]: v for k, v in saved.get("state", {}).items()},
+        # torch pairs a group's ids with the optimizer's tensors by position: today's order
+        "param_groups": [
+            {**group, "params": [index[n] for n in now]} for group, now in zip(groups, current)
+        ],
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's CPU and CUDA generators, Python's `random` and NumPy's global generator."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    cuda = list(state.get("cuda", []))
+    if cuda:
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < len(cuda):
+            warnings.warn(
+                f"checkpoint has RNG states for {len(cuda)} CUDA devices, this machine "
+                f"{available}: restoring {available}",
+                stacklevel=3,
+            )
+        for i, s in enumerate(cuda[:available]):
+            torch.cuda.set_rng_state(s, i)
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+# -- saving -------------------------------------------------------------------------------------
+
+
+def save(engine: Engine, path: str | os.PathLike) -> Path:
+    """Write `engine`'s checkpoint to directory `path`, replacing any there atomically."""
+    params, aliases = _dedupe(engine.state_dict())
+    skeleton, tensors = _to_json(training_state(engine))
+    plan = engine.plan.to_dict()
+    plan.pop("loss_fn", None)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "torch": torch.__version__,
+        "model": type(engine.model).__name__,
+        "parameters": {"file": PARAMETERS, "aliases": aliases},
+        "tensors": TENSORS,
+        "state": skeleton,
+        "plan": _jsonable(plan),
+    }
+
+    def write(tmp: Path) -> None:
+        header = {"format": "pt", ALIASES_KEY: json.dumps(aliases)}
+        save_file(params, tmp / PARAMETERS, metadata=header)
+        save_file(tensors, tmp / TENSORS, metadata={"format": "pt"})
+        (tmp / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+
+    return write_atomically(path, write)
+
+
+def write_atomically(path: str | os.PathLike, write: Any) -> Path:
+    """Run `write(tmp_dir)`, then swap tmp_dir in for `path` keeping the old one until done."""
+    target = Path(path).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        for file in tmp.iterdir():
+            _fsync(file)
+        _fsync(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
+        os.replace(target, old)  # onto the empty placeholder mkdtemp made: a unique name
+    os.replace(tmp, target)
+    _fsync(target.parent)
+    # the one moved aside now, and any an interrupted save left: a whole newer one is in place
+    for stale in target.parent.glob(target.name + ".old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return target
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # directories cannot be fsynced on every platform
+        pass
+    finally:
+        os.close(fd)
+
+
+def _dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One entry per distinct tensor (same memory, shape and strides); alias -> kept name."""
+    kept: dict[tuple, str] = {}
+    params, aliases = {}, {}
+    for name, tensor in state.items():
+        t = tensor.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        if t.numel() and key in kept:
+            aliases[name] = kept[key]
+            continue
+        kept[key] = name
+        params[name] = t.cpu().contiguous()
+    return params, aliases
+
+
+def _to_json(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A JSON-able skeleton of `obj` and its tensors by key (the path where each was found)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = "/".join(path)
+            tensors[key] = x.detach().cpu().contiguous()
+            return {"__tensor__": key}
+        if isinstance(x, Mapping):
+            if all(isinstance(k, str) for k in x) and not any(k.startswith("__") for k in x):
+                return {k: walk(v, (*path, k)) for k, v in x.items()}
+            return {"__dict__": [[walk(k, (*path, "key")), walk(v, (*path, str(k)))]
+                                 for k, v in x.items()]}  # fmt: skip
+        if isinstance(x, list):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(x)]
+        if isinstance(x, tuple):
+            return {"__tuple__": [walk(v, (*path, str(i))) for i, v in enumerate(x)]}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, (np.integer, np.floating, np.bool_)):
+            return x.item()
+        raise CheckpointError(
+            f"cannot save a {type(x).__name__} at {'/'.join(path)}: training state holds "
+            "tensors, numbers, strings, lists, tuples and dicts"
+        )
+
+    return walk(obj, ()), tensors
+
+
+def _from_json(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, list):
+        return [_from_json(v, tensors) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    if "__tensor__" in skeleton:
+        return tensors[skeleton["__tensor__"]]
+    if "__tuple__" in skeleton:
+        return tuple(_from_json(v, tensors) for v in skeleton["__tuple__"])
+    if "__dict__" in skeleton:
+        return {_from_json(k, tensors): _from_json(v, tensors) for k, v in skeleton["__dict__"]}
+    return {k: _from_json(v, tensors) for k, v in skeleton.items()}
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except (TypeError, ValueError):
+        return repr(obj)
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: `parameters` by the model's names (tied names share one tensor),
+    `state` as `engine.training_state()` gave it, `meta` from training.json."""
+
+    path: Path
+    parameters: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken when the checkpoint was written."""
+        return int(self.state["step"]["optimizer_steps"])
+
+    def check(self, expected: Mapping[str, torch.Tensor]) -> None:
+        """Raise CheckpointError listing every missing name, unexpected name and shape
+        mismatch against `expected` (a state dict, or anything with shapes by name)."""
+        problems = mismatches(self.parameters, expected)
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not match the model:\n  " + "\n  ".join(problems)
+            )
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy the parameters into an eager model (in place, like `load_state_dict`)."""
+        self.check(model.state_dict())
+        model.load_state_dict(self.parameters)
+
+    def apply(self, engine: Engine, *, strict: bool = True, rng: bool = True) -> None:
+        """Restore parameters (copied into the engine's own tensors: the optimizer and the
+        chunk homes keep theirs), optimizer, scheduler, loss scaler, step and RNG."""
+        self.check(engine.state_dict())
+        copy_parameters(engine, self.parameters)
+        engine.zero_grad(set_to_none=True)
+        restore_training_state(engine, self.state, strict=strict, rng=rng)
+
+
+def mismatches(
+    found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
+) -> list[str]:
+    """Every difference of names and shapes, not just the first."""
+    problems = [f"missing: {n} {tuple(t.shape)}" for n, t in expected.items() if n not in found]
+    problems += [f"unexpected: {n} {tuple(t.shape)}" for n, t in found.items()
+                 if n not in expected]  # fmt: skip
+    problems += [
+        f"shape mismatch: {n} is {tuple(t.shape)} in the checkpoint, "
+        f"{tuple(expected[n].shape)} in the model"
+        for n, t in found.items()
+        if n in expected and tuple(t.shape) != tuple(expected[n].shape)
+    ]
+    return problems
+
+
+def copy_parameters(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
+    """Copy into the tensors the engine trains, never replacing them (the optimizer, the chunk
+    manager and the model hold them; a copy bumps their version, so a chunk whose compute
+    copy is stale is fetched again)."""
+    fed = engine.store.tensors()
+    derived = [n for n in params if n not in fed]
+    if derived:
+        raise NotImplementedError(
+            "loading into parameters a pass split into parts (tiles, shards) is not supported "
+            f"yet: {', '.join(derived)}; load into the model before compile instead "
+            "(fxstar.load(dir, model))"
+        )
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, value in params.items():
+            target = fed[name]
+            if id(target) not in done:
+                done.add(id(target))
+                target.copy_(value)
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint directory; if a save was interrupted between its two renames, the
+    previous checkpoint it had moved aside (`<dir>.old-XXXX`)."""
+    target = Path(path).absolute()
+    if (target / STATE).exists():
+        return target
+    olds = [p for p in target.parent.glob(target.name + ".old-*") if (p / STATE).exists()]
+    if not target.exists() and olds:
+        old = max(olds, key=lambda p: (p / STATE).stat().st_mtime)
+        warnings.warn(f"{target} missing: loading {old}, left by an interrupted save", stacklevel=3)
+        return old
+    raise CheckpointError(f"no fxstar checkpoint at {target} ({STATE} not found)")
+
+
+def load_parameters(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The parameters of a checkpoint under every model name (tied names share one tensor):
+    `model.load_state_dict(load_parameters(dir))` works on the original eager model."""
+    file = resolve(path) / PARAMETERS
+    params = load_file(file)
+    with safe_open(file, "pt") as f:
+        aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
+    for alias, name in aliases.items():
+        params[alias] = params[name]
+    return params
+
+
+def load(path: str | os.PathLike, model: nn.Module | None = None) -> Checkpoint:
+    """Read a checkpoint; with `model`, also check it against the model and load its
+    parameters into it (before `fxstar.compile`: a model keeps its weights through compile).
+    `Checkpoint.apply(engine)` or `engine.load(dir)` restores an engine."""
+    directory = resolve(path)
+    meta = json.loads((directory / STATE).read_text(encoding="utf-8"))
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{directory / STATE}: not an fxstar checkpoint")
+    if meta.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{directory}: checkpoint format {meta['version']} is newer than this fxstar's "
+            f"({VERSION})"
+        )
+    tensors = load_file(directory / meta.get("tensors", TENSORS))
+    checkpoint = Checkpoint(
+        directory, load_parameters(directory), _from_json(meta.pop("state"), tensors), meta
+    )
+    if model is not None:
+        checkpoint.load_into(model)
+    return checkpoint

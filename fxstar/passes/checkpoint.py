@@ -1,0 +1,150 @@
+"""checkpoint: fuse each chosen region into a submodule run under activation checkpointing.
+
+Follows the decision of `checkpoint_regions`. The form, which later passes descend into:
+
+    checkpoint_0 = self.checkpoint_0                      # get_attr of an fx.GraphModule
+    h_0 = checkpoint.run_region(checkpoint_0, dropout, p_h_0_ln_1_weight, ...)
+        <the region's nodes, printed indented under the call>
+
+- a region is a submodule `checkpoint_<i>` of the program's GraphModule whose placeholders
+  are the region's inputs, named after the outer nodes that feed them; parameters used
+  inside are inputs too (never get_attr), so a pass that fetches parameters for the region
+  can put its nodes inside it, and they run again during recomputation;
+- the call is a call_function node with the get_attr of the submodule among its arguments
+  (the first one here; `region_of(node)` finds it, whatever wraps the call); with one
+  output the call's value is that output, with several a tuple read through `getitem`s;
+- `run_region` calls `torch.utils.checkpoint.checkpoint(region, *inputs,
+  use_reentrant=False)`, which saves only the inputs and replays the RNG state (dropout).
+Runs before the chunk passes (`chunk_layout`, `chunk_schedule`) so their fetch/release nodes
+land inside regions and are recomputed with them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from fxstar.dump import NOTES_KEY
+from fxstar.passes import Pass, register
+from fxstar.passes.checkpoint_regions import DECISION_KEY, Region
+from fxstar.program import Program
+from fxstar.runtime.checkpoint import run_region
+from fxstar.sizes import format_size
+
+__all__ = ["REGION_PREFIX", "Checkpoint", "fuse_region", "region_calls", "region_of"]
+
+REGION_PREFIX = "checkpoint_"
+
+
+def region_of(node: fx.Node) -> fx.GraphModule | None:
+    """The region submodule a call node runs (its first get_attr argument that is an
+    fx.GraphModule), or None if it is not a region call."""
+    if node.op != "call_function":
+        return None
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            module = getattr(node.graph.owning_module, str(arg.target), None)
+            if isinstance(module, fx.GraphModule):
+                return module
+    return None
+
+
+def region_calls(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.GraphModule]]:
+    """(call node, region submodule) of every region, in graph order."""
+    return [(n, m) for n in gm.graph.nodes if (m := region_of(n)) is not None]
+
+
+def fuse_region(program: Program, region: Region, name: str) -> fx.Node:
+    """Move `region`'s nodes into submodule `name`, called through `run_region`."""
+    gm = program.graph_module
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    nodes = [by_name[n] for n in region.nodes]
+    members = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    if not outputs:
+        raise ValueError(f"checkpoint region {region.module!r} has no outputs used after it")
+
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = body.placeholder(a.name)
+        env[a].meta = {k: a.meta[k] for k in ("val", "tensor_meta") if k in a.meta}
+    for n in nodes:
+        env[n] = body.node_copy(n, env.__getitem__)
+    body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    gm.add_submodule(name, fx.GraphModule(gm, body, class_name=name))
+
+    with graph.inserting_after(nodes[-1]):
+        module_node = graph.get_attr(name)
+    with graph.inserting_after(module_node):
+        call = graph.create_node(
+            "call_function", run_region, (module_node, *inputs), name=_python_name(region.module)
+        )
+    call.meta["nn_module_stack"] = _region_stack(nodes[0], region.module)
+    saved = f"{format_size(region.saved_bytes)} -> {format_size(region.keep_bytes)}"
+    call.meta[NOTES_KEY] = {"region": region.module, "nodes": len(nodes)}
+    if region.saved_bytes:
+        call.meta[NOTES_KEY]["saved"] = saved
+    if len(outputs) == 1:
+        call.meta["val"] = outputs[0].meta.get("val")
+        results = [call]
+    else:
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        results = []
+        last = call
+        for i, o in enumerate(outputs):
+            with graph.inserting_after(last):
+                last = graph.call_function(operator.getitem, (call, i))
+            last.meta["val"] = o.meta.get("val")
+            results.append(last)
+    for old, new in zip(outputs, results, strict=True):
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    return call
+
+
+def _python_name(module: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in module) or "region"
+
+
+def _region_stack(node: fx.Node, module: str) -> dict:
+    """The node's module stack down to the region's module (for the dump's `@h.0`)."""
+    out = {}
+    for key, (path, kind) in (node.meta.get("nn_module_stack") or {}).items():
+        out[key] = (path, kind)
+        if path == module:
+            break
+    return out
+
+
+@register
+class Checkpoint(Pass):
+    """Rewrite: each chosen region becomes a checkpointed submodule call."""
+
+    name = "checkpoint"
+    requires = ("checkpoint_regions",)
+    after = ("tiled_linear",)
+    before = ("chunk_layout", "chunk_schedule")
+
+    def enabled_by(self, plan) -> bool:
+        return plan.checkpoint is not None
+
+    def __call__(self, program: Program) -> Program:
+        decision = program.meta.get(DECISION_KEY)
+        if decision is None:
+            return program
+        for i, region in enumerate(decision.chosen):
+            fuse_region(program, region, f"{REGION_PREFIX}{i}")
+        if decision.chosen:
+            first = next(n for n, _ in region_calls(program.graph_module))
+            first.meta[NOTES_KEY]["checkpoint"] = decision.summary()
+        program.graph_module.graph.lint()
+        program.graph_module.recompile()
+        program.refresh_param_uses()
+        lines = program.meta.setdefault("report_lines", [])
+        lines.append(f"activation checkpoint: {decision.summary()}")
+        return program

@@ -1,0 +1,272 @@
+"""checkpoint_regions: which spans of the graph to checkpoint, decided from the graph alone.
+
+Analysis only; the `checkpoint` pass follows the decision. Regions come from each node's
+`nn_module_stack`:
+- 'blocks': the repeated blocks, found without naming them: the outermost module path that
+  ends in an index ('h.3', 'model.layers.3', 'bert.encoder.layer.3') whose parent holds at
+  least two indexed children of one class;
+- a list of module-name patterns (fnmatch): each module path matched (outermost first);
+- 'auto': the fewest blocks whose checkpointing keeps the peak of saved activations during
+  backward (from the `shape_memory` measurement, run here if it did not run; recomputation
+  included) within `plan.activation_memory`.
+`plan.checkpoint_every=k` keeps every k-th region. A region is the contiguous span of graph
+nodes from the first to the last node of its module (export lists nodes in execution order).
+The decision is data (`program.meta[DECISION_KEY]`, a CheckpointDecision) and shows in the
+dump as notes on each region's first node; a pass running after this one may edit it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from fxstar.dump import NOTES_KEY
+from fxstar.passes import Pass, get, register
+from fxstar.passes.shape_memory import META_KEY as MEMORY_KEY
+from fxstar.plan import PlanError, mark_implemented
+from fxstar.program import Program
+from fxstar.sizes import format_size
+
+__all__ = ["DECISION_KEY", "CheckpointDecision", "CheckpointRegions", "Region", "find_regions"]
+
+DECISION_KEY = "fxstar.checkpoint"
+"""Program.meta key of the CheckpointDecision."""
+
+mark_implemented("checkpoint", "checkpoint_every", "activation_memory")
+
+
+@dataclass
+class Region:
+    """A span of graph nodes belonging to one module, in graph order."""
+
+    module: str
+    nodes: list[str]
+    saved_bytes: int = 0  # saved for backward by its nodes without checkpointing
+    keep_bytes: int = 0  # its activation inputs: what checkpointing still saves
+
+    @property
+    def savings(self) -> int:
+        return max(self.saved_bytes - self.keep_bytes, 0)
+
+
+@dataclass
+class CheckpointDecision:
+    """What to checkpoint and why; `chosen` are fused in this order as checkpoint_0, 1, ..."""
+
+    mode: str  # 'blocks', 'patterns' or 'auto'
+    candidates: list[Region]
+    chosen: list[Region]
+    every: int = 1
+    budget: int | None = None
+    saved_before: int | None = None  # saved activations without checkpointing (shape_memory)
+    estimate: int | None = None  # peak saved activations expected in backward (auto)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        text = f"{self.mode}: {len(self.chosen)} of {len(self.candidates)} regions"
+        if self.every > 1:
+            text += f" (every {self.every})"
+        if self.estimate is not None and self.saved_before is not None:
+            text += (
+                f", saved activations {format_size(self.saved_before)} -> "
+                f"~{format_size(self.estimate)}"
+            )
+        if self.budget is not None:
+            text += f" for a budget of {format_size(self.budget)}"
+        return text + "".join(f"; {note}" for note in self.notes)
+
+
+def _stack(node: fx.Node) -> list[tuple[str, Any]]:
+    """(module path, module type) from the outermost module inwards."""
+    return list((node.meta.get("nn_module_stack") or {}).values())
+
+
+def _repeated_parents(graph: fx.Graph) -> set[str]:
+    """Module paths holding at least two indexed children of one class (a ModuleList of
+    blocks)."""
+    children: dict[str, dict[str, set[str]]] = {}
+    for node in graph.nodes:
+        for path, kind in _stack(node):
+            parent, _, last = path.rpartition(".")
+            if last.isdigit():
+                children.setdefault(parent, {}).setdefault(last, set()).add(str(kind))
+    repeated = set()
+    for parent, by_index in children.items():
+        kinds = set().union(*by_index.values())
+        if len(by_index) >= 2 and len(kinds) == 1:
+            repeated.add(parent)
+    return repeated
+
+
+def _block_key(node: fx.Node, repeated: set[str]) -> str | None:
+    for path, _ in _stack(node):
+        parent, _, last = path.rpartition(".")
+        if last.isdigit() and parent in repeated:
+            return path
+    return None
+
+
+def _pattern_key(node: fx.Node, patterns: tuple[str, ...]) -> str | None:
+    for path, _ in _stack(node):
+        if path and any(fnmatch.fnmatchcase(path, p) for p in patterns):
+            return path
+    return None
+
+
+def find_regions(graph: fx.Graph, patterns: tuple[str, ...] | None = None) -> list[Region]:
+    """Regions of the graph: the repeated blocks, or the modules matching `patterns`."""
+    if patterns is None:
+        repeated = _repeated_parents(graph)
+        key = lambda node: _block_key(node, repeated)  # noqa: E731
+    else:
+        key = lambda node: _pattern_key(node, patterns)  # noqa: E731
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    span: dict[str, list[int]] = {}  # module -> [first, last] position
+    for i, node in enumerate(nodes):
+        module = key(node)
+        if module is not None:
+            span.setdefault(module, [i, i])[1] = i
+    regions = []
+    owner: dict[int, str] = {}
+    for module, (first, last) in sorted(span.items(), key=lambda item: item[1][0]):
+        for i in range(first, last + 1):
+            if i in owner:
+                raise ValueError(
+                    f"checkpoint regions {owner[i]!r} and {module!r} interleave in the graph; "
+                    "choose module patterns whose nodes are contiguous"
+                )
+            owner[i] = module
+        regions.append(Region(module, [n.name for n in nodes[first : last + 1]]))
+    return regions
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val", node.meta.get("tensor_meta"))
+    if value is None or not hasattr(value, "shape"):
+        return 0
+    numel = 1
+    for s in value.shape:
+        numel *= int(s)
+    return numel * value.dtype.itemsize
+
+
+def _measure(program: Program, regions: list[Region]) -> None:
+    """Fill saved_bytes and keep_bytes from the shape_memory node annotations."""
+    by_name = {n.name: n for n in program.graph_module.graph.nodes}
+    fed = program.placeholder_kinds()
+    for region in regions:
+        members = {by_name[n] for n in region.nodes}
+        region.saved_bytes = sum(
+            n.meta[MEMORY_KEY].saved_bytes for n in members if MEMORY_KEY in n.meta
+        )
+        inputs = {a for n in members for a in n.all_input_nodes if a not in members}
+        region.keep_bytes = sum(
+            _nbytes(a)
+            for a in inputs
+            if not (a.op == "placeholder" and fed.get(a.name) and fed[a.name].kind != "input")
+        )
+
+
+def _backward_peak(items: list[tuple[int, Region | None]], chosen: set[int]) -> int:
+    """Peak of saved activations during backward, walking the graph in reverse.
+
+    `items` are (saved bytes, region or None) in forward order. Before backward everything
+    kept is resident; each step back frees what that item kept, and a checkpointed region
+    first brings back its recomputed activations while its backward runs.
+    """
+    live = sum(r.keep_bytes if r is not None and id(r) in chosen else saved for saved, r in items)
+    peak = live
+    for saved, region in reversed(items):
+        if region is not None and id(region) in chosen:
+            peak = max(peak, live + region.savings)
+            live -= region.keep_bytes
+        else:
+            live -= saved
+    return peak
+
+
+def _choose_auto(
+    program: Program, regions: list[Region], budget: int
+) -> tuple[list[Region], int, list[str]]:
+    """The fewest regions, earliest first (their activations stay resident longest in
+    backward), whose peak of saved activations during backward fits the budget."""
+    owner = {name: r for r in regions for name in r.nodes}
+    items: list[tuple[int, Region | None]] = []
+    for node in program.graph_module.graph.nodes:
+        region = owner.get(node.name)
+        if region is not None:
+            if not items or items[-1][1] is not region:
+                items.append((region.saved_bytes, region))
+        elif MEMORY_KEY in node.meta:
+            items.append((node.meta[MEMORY_KEY].saved_bytes, None))
+    count = 0
+    while count < len(regions):
+        if _backward_peak(items, {id(r) for r in regions[:count]}) <= budget:
+            break
+        count += 1
+    chosen = regions[:count]
+    estimate = _backward_peak(items, {id(r) for r in chosen})
+    notes = [] if estimate <= budget else ["budget not met even with every region checkpointed"]
+    return chosen, estimate, notes
+
+
+@register
+class CheckpointRegions(Pass):
+    """Analysis: finds the regions to checkpoint and records the decision."""
+
+    name = "checkpoint_regions"
+    after = ("shape_memory", "tiled_linear")
+
+    def __call__(self, program: Program) -> Program:
+        plan = program.plan
+        mode = plan.checkpoint
+        if mode is None:
+            return program
+        graph = program.graph_module.graph
+        patterns = tuple(mode) if isinstance(mode, tuple) else None
+        regions = find_regions(graph, patterns)
+        if mode == "auto" and MEMORY_KEY not in program.meta:
+            get("shape_memory")(program)  # the analysis auto plans from
+        if MEMORY_KEY in program.meta:
+            _measure(program, regions)
+        decision = CheckpointDecision(
+            mode="patterns" if patterns else mode,
+            candidates=regions,
+            chosen=regions[:: plan.checkpoint_every],
+            every=plan.checkpoint_every,
+        )
+        if MEMORY_KEY in program.meta:
+            decision.saved_before = program.meta[MEMORY_KEY].saved_bytes
+        if mode == "auto":
+            budget = plan.resolve_size("activation_memory", program.param_bytes)
+            if budget is None:
+                raise PlanError(
+                    "checkpoint='auto' needs plan.activation_memory (a byte budget for saved "
+                    "activations), or name the regions: checkpoint='blocks' or module patterns"
+                )
+            chosen, estimate, notes = _choose_auto(program, decision.chosen, budget)
+            decision.chosen, decision.estimate, decision.budget = chosen, estimate, budget
+            decision.notes += notes
+        elif decision.saved_before is not None:
+            decision.estimate = decision.saved_before - sum(r.savings for r in decision.chosen)
+        if not regions:
+            decision.notes.append(
+                "no regions found: no repeated blocks" if patterns is None
+                else f"no module matches {list(patterns)}"
+            )  # fmt: skip
+        program.meta[DECISION_KEY] = decision
+        _annotate(program, decision)
+        return program
+
+
+def _annotate(program: Program, decision: CheckpointDecision) -> None:
+    by_name = {n.name: n for n in program.graph_module.graph.nodes}
+    for i, region in enumerate(decision.chosen):
+        notes = by_name[region.nodes[0]].meta.setdefault(NOTES_KEY, {})
+        text = f"checkpoint_{i}({region.module}, {len(region.nodes)} nodes)"
+        if i == 0:
+            text += f" [{decision.summary()}]"
+        notes["region"] = text

@@ -1,0 +1,143 @@
+"""checkpoint_regions + checkpoint: regions found from the graph, bitwise parity with eager."""
+
+import pytest
+import torch
+from conftest import hf_gpt2, hf_llama, tiny_gpt, tokens
+
+from fxstar.capture import capture
+from fxstar.dump import diff, dump, to_dot
+from fxstar.engine import compile
+from fxstar.models.gpt import GPT, GPTConfig
+from fxstar.passes.checkpoint import region_calls
+from fxstar.passes.checkpoint_regions import DECISION_KEY, find_regions
+from fxstar.passes.shape_memory import META_KEY, ShapeMemory
+from fxstar.plan import Plan, PlanError
+
+
+def gpt(layers: int = 4, dropout: float = 0.1) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, n_embd=32,
+                    dropout=dropout)  # fmt: skip
+    return GPT(cfg)
+
+
+def inputs(make):
+    ids, targets = tokens()
+    if make in (tiny_gpt, gpt):
+        return (ids, targets), {}
+    return (), {"input_ids": ids, "labels": targets}
+
+
+MODELS = {"gpt": tiny_gpt, "gpt2": hf_gpt2, "llama": hf_llama}
+BLOCKS = {"gpt": "h", "gpt2": "transformer.h", "llama": "model.layers"}
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_repeated_blocks_are_found_without_naming_them(kind):
+    model = MODELS[kind]()
+    args, kwargs = inputs(MODELS[kind])
+    regions = find_regions(capture(model, args, kwargs).graph_module.graph)
+    assert [r.module for r in regions] == [f"{BLOCKS[kind]}.0", f"{BLOCKS[kind]}.1"]
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_checkpoint_is_bitwise_equal_to_eager_with_dropout(kind):
+    make = MODELS[kind]
+    args, kwargs = inputs(make)
+    # plan.verify checks loss and every gradient bitwise after each pass
+    engine = compile(make(), Plan(checkpoint="blocks", verify=True, seed=0), args, kwargs)
+    assert len(region_calls(engine.program.graph_module)) == 2
+    # and the same by hand, on the model's own tensors, with dropout drawing masks
+    eager = make()
+    torch.manual_seed(5)
+    out = eager(*args, **kwargs)
+    (out if isinstance(out, torch.Tensor) else out.loss).backward()
+    engine.model.zero_grad()
+    torch.manual_seed(5)
+    got = engine(*args, **kwargs)
+    (got if isinstance(got, torch.Tensor) else got.loss).backward()
+    for (name, p), q in zip(eager.named_parameters(), engine.model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_patterns_and_every_k():
+    args, kwargs = inputs(gpt)
+    engine = compile(gpt(), Plan(checkpoint=["h.*.mlp"], verify=True, seed=0), args)
+    decision = engine.program.meta[DECISION_KEY]
+    assert [r.module for r in decision.chosen] == [f"h.{i}.mlp" for i in range(4)]
+    engine = compile(gpt(), Plan(checkpoint="blocks", checkpoint_every=2, verify=True), args)
+    decision = engine.program.meta[DECISION_KEY]
+    assert [r.module for r in decision.chosen] == ["h.0", "h.2"]
+    assert "every 2" in dump(engine)
+
+
+def test_saved_bytes_of_blocks_are_at_least_4x_smaller():
+    args, _ = inputs(gpt)
+    plain = compile(gpt(), Plan(passes=["shape_memory"]), args).program.meta[META_KEY]
+    engine = compile(gpt(), Plan(checkpoint="blocks"), args)
+    ShapeMemory()(engine.program)  # measures the rewritten graph's run: only inputs are saved
+    after = engine.program.meta[META_KEY]
+    for block in (f"h.{i}" for i in range(4)):
+        assert after.blocks[block].saved_bytes * 4 <= plain.blocks[block].saved_bytes
+
+
+def test_dump_shows_regions_and_their_nodes():
+    args, _ = inputs(tiny_gpt)
+    engine = compile(tiny_gpt(), Plan(checkpoint="blocks"), args)
+    text = dump(engine)
+    assert "h_0 = checkpoint.run_region(checkpoint_0, dropout, p_h_0_ln_1_weight" in text
+    assert "\n        layer_norm = aten.layer_norm(dropout, [32]" in text  # the body, indented
+    assert "region=checkpoint_0(h.0, " in dump(engine, "checkpoint_regions")
+    changed = diff(engine, "capture", "checkpoint", color=False)
+    assert "+    h_1 = checkpoint.run_region(checkpoint_1, h_0" in changed
+    dot = to_dot(engine)
+    assert '"h_1" -> "output"' not in dot and '"cross_entropy_loss" -> "output"' in dot
+    assert "activation checkpoint: blocks: 2 of 2 regions" in engine.report()
+
+
+def test_auto_chooses_the_fewest_regions_that_fit():
+    args, _ = inputs(gpt)
+    saved = compile(gpt(), Plan(passes=["shape_memory"]), args).program.meta[META_KEY].saved_bytes
+    chosen = {}
+    for share in (1.0, 0.8, 0.6):
+        budget = int(saved * share)
+        engine = compile(gpt(), Plan(checkpoint="auto", activation_memory=budget), args)
+        decision = engine.program.meta[DECISION_KEY]
+        assert decision.mode == "auto" and decision.budget == budget
+        assert decision.estimate <= budget
+        assert len(region_calls(engine.program.graph_module)) == len(decision.chosen)
+        chosen[share] = [r.module for r in decision.chosen]
+    assert chosen[1.0] == [] and 0 < len(chosen[0.8]) < len(chosen[0.6]) <= 4
+    assert chosen[0.8] == [f"h.{i}" for i in range(len(chosen[0.8]))]  # earliest first
+    assert f"auto: {len(chosen[0.6])} of 4 regions" in dump(engine)
+    compile(gpt(), Plan(checkpoint="auto", activation_memory=budget, verify=True), args)
+    with pytest.raises(PlanError, match="activation_memory"):
+        compile(gpt(), Plan(checkpoint="auto"), args)
+
+
+def test_checkpointed_engine_trains_like_eager():
+    args, _ = inputs(gpt)
+    eager, model = gpt(), gpt()
+    engine = compile(model, Plan(checkpoint="blocks", optimizer={"type": "sgd", "lr": 0.1}))
+    reference = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        ids, targets = tokens(seed=step)
+        torch.manual_seed(step)
+        expected = eager(ids, targets)
+        expected.backward()
+        reference.step()
+        reference.zero_grad()
+        torch.manual_seed(step)
+        loss = engine(ids, targets)
+        loss.backward()
+        engine.step()
+        assert torch.equal(loss, expected)
+    for key, value in eager.state_dict().items():
+        assert torch.equal(engine.state_dict()[key], value), key
+
+
+def test_regions_run_plainly_without_grad():
+    args, _ = inputs(tiny_gpt)
+    engine = compile(tiny_gpt(dropout=0.0), Plan(checkpoint="blocks"), args)
+    with torch.no_grad():
+        assert torch.equal(engine(*args), engine(*args).detach())
