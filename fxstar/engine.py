@@ -154,14 +154,21 @@ class Engine(nn.Module):
         the engine and any optimizer keep seeing one set of tensors."""
         if LAYOUT_KEY not in program.meta or self.chunks is not None:
             return
-        masters = dict(self.model.named_parameters(remove_duplicate=False))
+        # fp32 masters: the model's own parameters; parts a pass derived (tiles, shards) from
+        # the fed values (under bf16/fp16 those start from rounded values)
+        masters = {
+            **self.store.tensors(),
+            **dict(self.model.named_parameters(remove_duplicate=False)),
+        }
         self.chunks = self._chunk_manager(program, self.store.tensors(), masters)
         slots = self.chunks.layout.slots()
+        own = dict(self.model.named_parameters(remove_duplicate=False))
         for name, stable in self.chunks.stable.items():
             self.store.rebind(name, stable)
             for alias in slots[name].aliases:
-                owner, _, attr = alias.rpartition(".")
-                setattr(self.model.get_submodule(owner), attr, stable)
+                if alias in own:  # derived parts (tiles, shards) are not the model's
+                    owner, _, attr = alias.rpartition(".")
+                    setattr(self.model.get_submodule(owner), attr, stable)
 
     def _chunk_manager(
         self,

@@ -89,7 +89,12 @@ class ParameterStore:
         return parts
 
     def rebind(self, name: str, tensor: torch.Tensor) -> None:
-        """Feed `tensor` wherever `name` or one of its aliases was fed (same values)."""
+        """Feed `tensor` wherever `name` or one of its aliases was fed (same values); `name`
+        may be a derived part."""
+        for derived in self._derived.values():
+            if name in derived.parts:
+                derived.parts[name] = tensor
+                return
         if self._canonical(name) in self._derived:
             raise ValueError(f"{name!r} was derived into parts; rebind the parts instead")
         for alias in self.aliases(name):

@@ -109,3 +109,29 @@ def test_the_memory_monitor_samples_in_the_background():
     monitor.stop()
     assert monitor.samples and monitor.peak > 0
     assert "memory monitor:" in engine.report()
+
+
+def test_checkpoint_with_chunks_is_refused_until_regions_fetch_their_own():
+    with pytest.raises(NotImplementedError, match="checkpoint together with the chunk engine"):
+        compiled(tiny_gpt(), device_memory="10MiB", checkpoint="blocks")
+
+
+def test_tiles_are_chunk_entries_of_their_own():
+    budget = roomy(tiny_gpt())
+    plain = compiled(tiny_gpt(), device_memory=budget)
+    tiles = {"in_splits": 2, "out_splits": 2, "min_size": 1024}
+    eager, model = tiny_gpt(), tiny_gpt()
+    tiled = compiled(model, device_memory=budget, tiled_linear=tiles)
+    names = [p.name for c in tiled.chunks.layout.chunks for p in c.params]
+    assert "h.0.mlp.c_fc.weight.tile_1_0" in names and "h.0.mlp.c_fc.weight" not in names
+    largest = max(p.numel for c in tiled.chunks.layout.chunks for p in c.params)
+    assert largest < max(p.numel for c in plain.chunks.layout.chunks for p in c.params)
+    ids, targets = tokens()
+    torch.manual_seed(0)
+    expected = eager(ids, targets)
+    expected.backward()
+    torch.manual_seed(0)
+    tiled(ids, targets).backward()
+    grads = tiled.store.consolidate_grads({n: p.grad for n, p in tiled.named_parameters()})
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
