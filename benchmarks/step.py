@@ -74,7 +74,8 @@ class Eager:
 
 class Compiled:
     def __init__(self, model, precision: str, inputs):
-        plan = fxstar.Plan(precision=precision, optimizer={"lr": 1e-4})
+        # the whole model fits: a budget of four times the parameter bytes (activations too)
+        plan = fxstar.Plan(precision=precision, optimizer={"lr": 1e-4}, device_memory="400%")
         self.engine = fxstar.compile(model, plan, inputs)
 
     def forward_backward(self, idx, targets) -> None:

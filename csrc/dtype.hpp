@@ -47,12 +47,11 @@ inline void store(float* out, float f) { *out = f; }
 inline void store(bf16* out, float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    out->bits = 0x7fc0;  // canonical quiet NaN, as torch writes it
-  } else {
-    u += 0x7fffu + ((u >> 16) & 1u);
-    out->bits = static_cast<uint16_t>(u >> 16);
-  }
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  // a select, not a branch, so loops that store bf16 still vectorise; NaN becomes torch's
+  // canonical quiet NaN
+  const uint32_t bits = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded;
+  out->bits = static_cast<uint16_t>(bits);
 }
 
 #if FXSTAR_HAVE_FLOAT16

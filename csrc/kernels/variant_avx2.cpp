@@ -1,4 +1,5 @@
 // The avx2 build of the kernels; its instruction-set flags are set in CMakeLists.txt.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 

@@ -1,4 +1,5 @@
 // The portable build of the kernels; its instruction-set flags are set in CMakeLists.txt.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
