@@ -30,34 +30,42 @@ void adam_typed(const fxstar::AdamHyper& h, const fxstar::AdamBuffers& b, int th
   O* __restrict out = static_cast<O*>(b.out);
   const int64_t n = b.numel;
 
-  // Blocks that stay in L1: the update loop and the low-precision copy loop each vectorise
-  // on their own (one loop doing both does not), and the copy reads the block from cache.
-  constexpr int64_t kBlock = 2048;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  // One element of the update, exactly as torch's single-tensor AdamW computes it. A macro,
+  // not a lambda: captured pointers lose __restrict, and the loops then stay scalar.
+#define FXSTAR_ADAM_UPDATE(i)                                                        \
+  do {                                                                               \
+    float pi = p[i];                                                                 \
+    const float gi = to_float(g[i]) * scale + l2 * pi;                              \
+    pi = pi * decay;                                                                 \
+    const float mi_old = m[i];                                                       \
+    /* torch's lerp and addcmul kernels fuse their last multiply-add; so do these */ \
+    const float mi = lerp_from_self ? std::fma(weight1, gi - mi_old, mi_old)         \
+                                    : std::fma(weight1 - 1.0f, gi - mi_old, gi);     \
+    const float vi = std::fma(one_minus_b2 * gi, gi, v[i] * b2);                     \
+    const float denom = std::sqrt(vi) / bias2_sqrt + eps;                            \
+    m[i] = mi;                                                                       \
+    v[i] = vi;                                                                       \
+    p[i] = pi + neg_step_size * mi / denom;                                          \
+  } while (0)
+  if constexpr (std::is_same_v<O, void>) {
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) FXSTAR_ADAM_UPDATE(i);
+  } else {
+    // With a low-precision copy: blocks that stay in L1, the update loop and the copy loop
+    // each vectorised on their own (one loop doing both runs scalar), the copy reading the
+    // block from cache.
+    constexpr int64_t kBlock = 2048;
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t lo = blk * kBlock, hi = std::min(n, lo + kBlock);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t lo = blk * kBlock, hi = std::min(n, lo + kBlock);
 #pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) {
-      float pi = p[i];
-      const float gi = to_float(g[i]) * scale + l2 * pi;
-      pi = pi * decay;
-      const float mi_old = m[i];
-      // torch's lerp and addcmul kernels fuse their last multiply-add; so do these
-      const float mi = lerp_from_self ? std::fma(weight1, gi - mi_old, mi_old)
-                                      : std::fma(weight1 - 1.0f, gi - mi_old, gi);
-      const float vi = std::fma(one_minus_b2 * gi, gi, v[i] * b2);
-      const float denom = std::sqrt(vi) / bias2_sqrt + eps;
-      pi = pi + neg_step_size * mi / denom;
-      m[i] = mi;
-      v[i] = vi;
-      p[i] = pi;
-    }
-    if constexpr (!std::is_same_v<O, void>) {
+      for (int64_t i = lo; i < hi; ++i) FXSTAR_ADAM_UPDATE(i);
 #pragma omp simd
       for (int64_t i = lo; i < hi; ++i) store(&out[i], p[i]);
     }
   }
+#undef FXSTAR_ADAM_UPDATE
 }
 
 // The `void` output type means "no low-precision copy".
