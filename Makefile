@@ -26,7 +26,7 @@ demo: $(BUILT)
 	$(BIN)/fxstar plan fxstar.models.gpt:tiny
 	$(BIN)/fxstar diff fxstar.models.gpt:tiny chunk_layout chunk_schedule --device-memory 1MiB \
 		> build/demo_diff.txt
-	@head -n 30 build/demo_diff.txt; echo "... (the whole diff: build/demo_diff.txt)"
+	@grep "^+" build/demo_diff.txt | head -n 30; echo "... (the whole diff: build/demo_diff.txt)"
 	$(BIN)/python examples/custom_pass.py > build/demo_custom_pass.txt
 	@tail -n 1 build/demo_custom_pass.txt
 

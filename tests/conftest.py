@@ -69,3 +69,29 @@ def tokens(seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> tuple[torch.Ten
 @pytest.fixture
 def gpt_factory():
     return tiny_gpt
+
+
+# The hand-written GPT takes (idx, targets) and returns the loss; transformers models take
+# keyword inputs and return an output with .loss. These let one test body drive both.
+
+
+def call(kind: str, model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of `model` ('gpt' or a transformers model) on one batch."""
+    if kind == "gpt":
+        return model(ids, targets)
+    return model(input_ids=ids, labels=targets).loss
+
+
+def example(kind: str, ids: torch.Tensor, targets: torch.Tensor) -> dict:
+    """The example inputs for fxstar.compile, as keyword arguments of it."""
+    if kind == "gpt":
+        return {"example_inputs": (ids, targets)}
+    return {"example_kwargs": {"input_ids": ids, "labels": targets}}
+
+
+def inputs(make) -> tuple[tuple, dict]:
+    """(args, kwargs) of one batch for a model factory from this file."""
+    ids, targets = tokens()
+    if make is tiny_gpt:
+        return (ids, targets), {}
+    return (), {"input_ids": ids, "labels": targets}

@@ -3,25 +3,13 @@ peak plus 40% of the parameter bytes, and still bit for bit the same training.""
 
 import pytest
 import torch
-from conftest import hf_gpt2, hf_llama, tiny_gpt, tokens
+from conftest import call, example, hf_gpt2, hf_llama, tiny_gpt, tokens
 
 from fxstar.engine import compile
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.plan import Plan
 
 FACTORIES = {"gpt": tiny_gpt, "gpt2": hf_gpt2, "llama": hf_llama}
-
-
-def call(kind, model, ids, targets):
-    if kind == "gpt":
-        return model(ids, targets)
-    return model(input_ids=ids, labels=targets).loss
-
-
-def example(kind, ids, targets):
-    if kind == "gpt":
-        return {"example_inputs": (ids, targets)}
-    return {"example_kwargs": {"input_ids": ids, "labels": targets}}
 
 
 def tight_budget(kind) -> int:

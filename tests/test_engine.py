@@ -1,39 +1,26 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, hf_gpt2, hf_llama, tiny_gpt, tokens
+from conftest import VOCAB, call, example, hf_gpt2, hf_llama, tiny_gpt, tokens
 from torch import nn
 
 from fxstar.engine import Engine, compile
 from fxstar.plan import Plan
 
-
-def _call(kind, model, ids, targets):
-    if kind == "gpt":
-        return model(ids, targets)
-    return model(input_ids=ids, labels=targets).loss
-
-
 FACTORIES = {"gpt": tiny_gpt, "gpt2": hf_gpt2, "llama": hf_llama}
-
-
-def _example(kind, ids, targets):
-    if kind == "gpt":
-        return {"example_inputs": (ids, targets)}
-    return {"example_kwargs": {"input_ids": ids, "labels": targets}}
 
 
 @pytest.mark.parametrize("kind", FACTORIES)
 def test_loss_and_every_gradient_bitwise_equal_to_eager(kind):
     ids, targets = tokens()
     eager, model = FACTORIES[kind](), FACTORIES[kind]()
-    engine = compile(model, Plan(), **_example(kind, ids, targets))
+    engine = compile(model, Plan(), **example(kind, ids, targets))
     assert isinstance(engine, Engine) and isinstance(engine, nn.Module)
     torch.manual_seed(7)
-    expected = _call(kind, eager, ids, targets)
+    expected = call(kind, eager, ids, targets)
     expected.backward()
     torch.manual_seed(7)
-    loss = _call(kind, engine, ids, targets)
+    loss = call(kind, engine, ids, targets)
     loss.backward()
     assert torch.equal(loss, expected)
     for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters(), strict=True):
@@ -54,12 +41,12 @@ def test_five_adamw_steps_give_identical_losses(kind):
     for step in range(5):
         ids, targets = tokens(seed=step)
         torch.manual_seed(step)
-        expected = _call(kind, eager, ids, targets)
+        expected = call(kind, eager, ids, targets)
         expected.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(step)
-        loss = _call(kind, engine, ids, targets)
+        loss = call(kind, engine, ids, targets)
         loss.backward()
         assert engine.step()
         assert torch.equal(loss, expected), step

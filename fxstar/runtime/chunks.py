@@ -249,7 +249,7 @@ class ChunkManager:
             if chunk.state is S.COMPUTE:
                 chunk.pins = 0
                 chunk.move(S.HOLD_AFTER_FWD)
-        if self._step_bytes or self.stats.steps:
+        if any(phase == "backward" for _, phase in self._recorded):  # a training step ended
             self.stats.per_step_bytes.append(self._step_bytes)
         self._step_bytes = 0
         self.stats.steps += 1
@@ -550,7 +550,8 @@ class ChunkManager:
     def report(self) -> str:
         lay, st, arena = self.layout, self.stats, self.arena.stats()
         steps = max(len(st.per_step_bytes), 1)
-        moved = st.per_step_bytes[-1] if st.per_step_bytes else self._step_bytes
+        current = any(phase == "backward" for _, phase in self._recorded)
+        moved = self._step_bytes if current or not st.per_step_bytes else st.per_step_bytes[-1]
         lines = [
             f"chunks: {len(lay.chunks)} x {lay.chunk_bytes:,} bytes ({lay.chunk_size:,} "
             f"{str(lay.dtype).split('.')[-1]}), {lay.wasted_bytes:,} bytes unused",
@@ -559,9 +560,9 @@ class ChunkManager:
             f"host tier: {len(lay.chunks) * lay.chunk_bytes:,} parameter and "
             f"{sum(c.host_grad is not None for c in self.chunks) * lay.chunk_bytes:,} "
             "gradient bytes",
-            f"moved host->compute: {moved:,} bytes in the last step "
-            f"({sum(st.per_step_bytes) / steps:,.0f} per step on average; "
-            f"{moved / max(lay.param_bytes, 1):.2f}x the parameter bytes)",
+            f"moved host->compute: {moved:,} bytes in the last training step "
+            f"({moved / max(lay.param_bytes, 1):.2f}x the parameter bytes; "
+            f"{sum(st.per_step_bytes) / steps:,.0f} per step on average)",
             f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
             f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
         ]

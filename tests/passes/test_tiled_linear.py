@@ -3,7 +3,7 @@ declared fp32 reassociation tolerance; state_dict gives the original names and s
 
 import pytest
 import torch
-from conftest import hf_gpt2, hf_llama, tiny_gpt, tokens
+from conftest import hf_gpt2, hf_llama, inputs, tiny_gpt
 
 from fxstar.dump import dump
 from fxstar.engine import compile
@@ -13,13 +13,6 @@ from fxstar.verify import Verifier
 
 MODELS = {"gpt": tiny_gpt, "gpt2": hf_gpt2, "llama": hf_llama}
 TILES = {"in_splits": 2, "out_splits": 2, "min_size": 0}
-
-
-def inputs(make):
-    ids, targets = tokens()
-    if make is tiny_gpt:
-        return (ids, targets), {}
-    return (), {"input_ids": ids, "labels": targets}
 
 
 @pytest.mark.parametrize("kind", MODELS)

@@ -3,7 +3,7 @@ scaling, clipping and accumulation."""
 
 import pytest
 import torch
-from conftest import hf_llama, tiny_gpt, tokens
+from conftest import call, example, hf_llama, tiny_gpt, tokens
 
 from fxstar.engine import compile
 from fxstar.passes.chunk_layout import nonmodel_peak
@@ -13,16 +13,6 @@ from fxstar.runtime.optim import HybridAdam
 from fxstar.train import TrainConfig, train
 
 OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
-
-
-def call(kind, model, ids, targets):
-    return model(ids, targets) if kind == "gpt" else model(input_ids=ids, labels=targets).loss
-
-
-def example(kind, ids, targets):
-    if kind == "gpt":
-        return {"example_inputs": (ids, targets)}
-    return {"example_kwargs": {"input_ids": ids, "labels": targets}}
 
 
 def gpt_without_biases(seed: int = 0):
@@ -47,7 +37,7 @@ def tight(kind) -> int:
     return nonmodel_peak(program) + int(0.4 * program.param_bytes)
 
 
-def reference_optimizer(model, plan, clip=None):
+def reference_optimizer(model, plan):
     decay = [p for n, p in model.named_parameters() if plan.optimizer.decays(n)]
     rest = [p for n, p in model.named_parameters() if not plan.optimizer.decays(n)]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
