@@ -50,6 +50,17 @@ def region_of(node: fx.Node) -> fx.GraphModule | None:
     return None
 
 
+def region_inputs(node: fx.Node) -> tuple[int, tuple]:
+    """(index of the first region input in node.args, the inputs): what follows the region's
+    own get_attr argument (an offloaded call has other modules before it)."""
+    module = node.graph.owning_module
+    for i, arg in enumerate(node.args):
+        is_attr = isinstance(arg, fx.Node) and arg.op == "get_attr"
+        if is_attr and isinstance(getattr(module, str(arg.target), None), fx.GraphModule):
+            return i + 1, tuple(node.args[i + 1 :])
+    raise ValueError(f"{node.name} is not a region call")
+
+
 def region_calls(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.GraphModule]]:
     """(call node, region submodule) of every region, in graph order."""
     return [(n, m) for n in gm.graph.nodes if (m := region_of(n)) is not None]

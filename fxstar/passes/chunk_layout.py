@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import fx
+
 from fxstar.dump import NOTES_KEY
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
-from fxstar.passes.checkpoint import region_calls
+from fxstar.passes.checkpoint import region_calls, region_inputs
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.plan import mark_implemented
 from fxstar.program import ParamInfo, Program
@@ -70,13 +72,27 @@ def nonmodel_peak(program: Program) -> int:
 
 
 def params_per_node(program: Program) -> list[tuple[str, ...]]:
-    """The parameters each node reads directly, for nodes that read more than one."""
+    """The parameters each node reads directly, for nodes that read more than one; inside a
+    checkpointed region for its nodes (the region fetches its parameters itself)."""
     owner = {ph: p.name for p in program.params for ph in p.placeholders}
+    regions = dict(region_calls(program.graph_module))
     out = []
-    for node in program.graph_module.graph.nodes:
-        names = {owner[a.name] for a in node.all_input_nodes if a.name in owner}
-        if len(names) > 1:
-            out.append(tuple(names))
+
+    def scan(nodes, owner_of):
+        for node in nodes:
+            if node in regions:
+                region = regions[node]
+                _, inputs = region_inputs(node)
+                placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+                inner = {ph.name: owner_of[a.name] for a, ph in zip(inputs, placeholders)
+                         if isinstance(a, fx.Node) and a.name in owner_of}  # fmt: skip
+                scan(region.graph.nodes, inner)
+                continue
+            names = {owner_of[a.name] for a in node.all_input_nodes if a.name in owner_of}
+            if len(names) > 1:
+                out.append(tuple(names))
+
+    scan(program.graph_module.graph.nodes, owner)
     return out
 
 
@@ -140,8 +156,13 @@ def plan_layout(program: Program) -> ChunkLayout:
     dtype = params[0].dtype
     chunk_size = program.plan.chunk_size
     if chunk_size == "auto":
-        budget = budget_bytes(program)
-        share = float("inf") if budget is None else budget - nonmodel_peak(program)
+        budget, plan = budget_bytes(program), program.plan
+        if budget is None:
+            share = float("inf")
+        elif plan.static_partition:  # PatrickStar's fixed share of the budget
+            share = plan.warmup_gpu_chunk_mem_ratio * budget
+        else:
+            share = budget - nonmodel_peak(program)
         chunk_size = search_chunk_size(program, params, share)
     largest = max(params, key=lambda p: p.numel)
     if chunk_size < largest.numel:
@@ -171,14 +192,6 @@ class ChunkLayoutPass(Pass):
         return uses_chunks(plan)
 
     def __call__(self, program: Program) -> Program:
-        if region_calls(program.graph_module):
-            # A checkpointed region re-runs in backward on the parameter views it was given in
-            # forward, after the chunks behind them may have been evicted: the regions must
-            # fetch their own chunks (inside the region, again on recomputation) first.
-            raise NotImplementedError(
-                "checkpoint together with the chunk engine (device_memory or bf16/fp16) is not "
-                "built yet: checkpointed regions do not fetch their own chunks. Use one of the two."
-            )
         layout = program.shared.get(LAYOUT_KEY)
         if layout is None:
             layout = program.shared[LAYOUT_KEY] = plan_layout(program)

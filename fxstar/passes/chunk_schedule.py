@@ -9,9 +9,12 @@ after the last read of any of them or of any alias of them, and plan the step's 
 - A chunk idle while two or more other chunks come and go (the tied embedding, read first and
   last) is released and fetched again rather than pinned all along: released, it is just one
   more candidate for eviction, and Belady keeps it if that is best.
-- The access plan lists the chunk accesses in the order a step will make them: the fetches,
-  then backward, where each node that saved parameters needs their chunks back, in reverse
-  order; with the bytes besides chunks expected at each one (from shape_memory). A moment whose
+- A checkpointed region gets its own fetch/release nodes, inside the region: its
+  recomputation in backward fetches the chunks again.
+- The access plan lists the chunk accesses in the order a step will make them: the fetches
+  (a region's where it is called), then backward, where each node that saved parameters needs
+  their chunks back and each region fetches again for its recomputation, in reverse order;
+  with the bytes besides chunks expected at each one (from shape_memory). A moment whose
   chunks cannot fit the budget stops the compile here, with the numbers.
 """
 
@@ -25,6 +28,7 @@ from torch import fx
 
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
+from fxstar.passes.checkpoint import region_calls, region_inputs
 from fxstar.passes.chunk_layout import LAYOUT_KEY, budget_bytes, uses_chunks
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
@@ -81,19 +85,19 @@ def alias_end(user: fx.Node, of: fx.Node, pos: dict[fx.Node, int]) -> int:
     return end
 
 
-def segments(program: Program, layout: ChunkLayout, pos: dict[fx.Node, int]) -> list[Segment]:
+def segments(
+    params: dict[fx.Node, str], layout: ChunkLayout, pos: dict[fx.Node, int]
+) -> list[Segment]:
+    """Where each chunk must be fetched, for the parameter placeholders `params` (node ->
+    parameter name) of one graph whose nodes are numbered by `pos`."""
     slots = layout.slots()
-    kinds = program.placeholder_kinds()
     uses: dict[int, list[tuple[int, int, fx.Node, fx.Node]]] = {}
-    for node in pos:
-        slot = kinds.get(node.name)
-        if node.op != "placeholder" or slot is None or slot.kind != "parameter":
-            continue
-        chunk = slots[slot.target].chunk
+    for node, name in params.items():
+        chunk = slots[name].chunk
         for user in node.users:
             if user.op == "output":
                 raise ChunkScheduleError(
-                    f"the model returns parameter {slot.target} itself; chunked parameters "
+                    f"the model returns parameter {name} itself; chunked parameters "
                     "can only be read by the graph"
                 )
             uses.setdefault(chunk, []).append((pos[user], alias_end(user, node, pos), user, node))
@@ -121,9 +125,11 @@ def segments(program: Program, layout: ChunkLayout, pos: dict[fx.Node, int]) -> 
     return sorted(out, key=lambda s: (s.start, s.chunk))
 
 
-def rewrite(program: Program, segs: list[Segment], nodes: list[fx.Node]) -> None:
-    graph = program.graph_module.graph
-    kinds = program.placeholder_kinds()
+def insert_fetches(
+    graph: fx.Graph, segs: list[Segment], nodes: list[fx.Node], params: dict[fx.Node, str]
+) -> None:
+    """Fetch before each segment, the parameters' views in place of their placeholders, and a
+    release after the segment's last read."""
     for seg in segs:
         first = nodes[seg.start]
         with graph.inserting_before(first):
@@ -134,18 +140,64 @@ def rewrite(program: Program, segs: list[Segment], nodes: list[fx.Node]) -> None
             if placeholder not in views:
                 with graph.inserting_before(first):
                     views[placeholder] = graph.create_node(
-                        "call_function", ops.param, (fetch, kinds[placeholder.name].target),
+                        "call_function", ops.param, (fetch, params[placeholder]),
                         name=placeholder.name,
                     )  # fmt: skip
             user.replace_input_with(placeholder, views[placeholder])
         with graph.inserting_after(nodes[seg.end]):
             graph.call_function(ops.release, (seg.chunk,))
-    for node in list(graph.nodes):
-        slot = kinds.get(node.name)
-        if node.op == "placeholder" and slot is not None and slot.kind == "parameter":
-            program.remove_input(node)
+
+
+def parameter_placeholders(program: Program) -> dict[fx.Node, str]:
+    kinds = program.placeholder_kinds()
+    return {
+        n: kinds[n.name].target
+        for n in program.graph_module.graph.nodes
+        if n.op == "placeholder" and n.name in kinds and kinds[n.name].kind == "parameter"
+    }
+
+
+def move_into_regions(program: Program, layout: ChunkLayout) -> None:
+    """A checkpointed region fetches its own chunks: its recomputation in backward then fetches
+    them again instead of reading parameter views whose chunks may have been evicted since the
+    forward. The parameters stop being inputs of the region."""
+    top = parameter_placeholders(program)
+    for call, region in region_calls(program.graph_module):
+        first, args = region_inputs(call)
+        inner: dict[fx.Node, str] = {}
+        kept = list(call.args[:first])
+        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+        for arg, placeholder in zip(args, placeholders, strict=True):
+            if isinstance(arg, fx.Node) and arg in top:
+                inner[placeholder] = top[arg]
+            else:
+                kept.append(arg)
+        if not inner:
+            continue
+        nodes = list(region.graph.nodes)
+        insert_fetches(region.graph, segments(inner, layout, {n: i for i, n in enumerate(nodes)}),
+                       nodes, inner)  # fmt: skip
+        for placeholder in inner:
+            region.graph.erase_node(placeholder)
+        region.graph.lint()
+        region.recompile()
+        call.args = tuple(kept)
+
+
+def rewrite(program: Program, layout: ChunkLayout) -> list[fx.Node]:
+    """Regions first, then the top-level graph; returns the top-level nodes as they were
+    before fetches were added (the positions the plan is estimated on)."""
+    move_into_regions(program, layout)
+    graph = program.graph_module.graph
+    nodes = list(graph.nodes)
+    params = parameter_placeholders(program)
+    insert_fetches(graph, segments(params, layout, {n: i for i, n in enumerate(nodes)}),
+                   nodes, params)  # fmt: skip
+    for node in params:
+        program.remove_input(node)
     graph.lint()
     program.graph_module.recompile()
+    return nodes
 
 
 def nonmodel_estimate(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -160,23 +212,35 @@ def nonmodel_estimate(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     return out
 
 
-def access_plan(graph: fx.Graph, layout: ChunkLayout, original: list[fx.Node]) -> AccessPlan:
+def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node]) -> AccessPlan:
     plan = AccessPlan([], [], [], [])
     estimate = nonmodel_estimate(original)
     slots = layout.slots()
-    open_chunks: set[int] = set()
-    upcoming = 0
-    for node in graph.nodes:  # forward: the fetches in graph order
-        if node.target is ops.fetch:
-            open_chunks.add(node.args[0])
-            upcoming = _next_original(node, estimate)
-            plan.chunks.append(node.args[0])
-            plan.phases.append("forward")
-            plan.nonmodel_bytes.append(upcoming)
-            plan.pinned_at_once.append(len(open_chunks))
-        elif node.target is ops.release:
-            open_chunks.discard(node.args[0])
-    for node in reversed(original):  # backward: nodes that saved parameters, last first
+    regions = dict(region_calls(gm))
+
+    def fetches(graph: fx.Graph, phase: str, nonmodel: int | None, outer: set[int]) -> None:
+        """The fetches of a graph in order, a region's inline where it is called. In a
+        recomputation nothing is released until the region's backward is done."""
+        open_chunks = set(outer)
+        for node in graph.nodes:
+            if node.target is ops.fetch:
+                open_chunks.add(node.args[0])
+                plan.chunks.append(node.args[0])
+                plan.phases.append(phase)
+                plan.nonmodel_bytes.append(
+                    _next_original(node, estimate) if nonmodel is None else nonmodel
+                )
+                plan.pinned_at_once.append(len(open_chunks))
+            elif node.target is ops.release and phase == "forward":
+                open_chunks.discard(node.args[0])
+            elif node in regions:
+                fetches(regions[node].graph, phase, estimate.get(node, 0), open_chunks)
+
+    fetches(gm.graph, "forward", None, set())
+    for node in reversed(original):  # backward, last node first
+        if node in regions:  # recomputation: the region runs its forward, fetches included
+            fetches(regions[node].graph, "backward", estimate.get(node, 0), set())
+            continue
         mem = node.meta.get(META_KEY)
         needed = [slots[n].chunk for n in mem.saved_params] if mem is not None else []
         for chunk in needed:  # one access per saved tensor: each is unpacked
@@ -232,10 +296,8 @@ class ChunkSchedule(Pass):
 
     def __call__(self, program: Program) -> Program:
         layout: ChunkLayout = program.meta[LAYOUT_KEY]
-        original = list(program.graph_module.graph.nodes)
-        pos = {n: i for i, n in enumerate(original)}
-        rewrite(program, segments(program, layout, pos), original)
-        plan = access_plan(program.graph_module.graph, layout, original)
+        original = rewrite(program, layout)
+        plan = access_plan(program.graph_module, layout, original)
         check_budget(plan, layout, budget_bytes(program), static_share(program))
         program.meta[PLAN_KEY] = plan
         return program

@@ -134,6 +134,7 @@ class ChunkManager:
         self.cache_capacity = mem_cache
         self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch
         self.checking = False  # verify the residency invariants after every access (tests)
+        self._in_forward = False
         self.stats = ChunkStats()
         self.tracer = MemoryTracer()
         self.arena = ArenaBuffer(arena_capacity, self.device)
@@ -143,6 +144,7 @@ class ChunkManager:
         self._positions: dict[int, list[int]] = {}
         self._cursor = 0
         self._node_pins: tuple[object | None, list[Chunk]] = (None, [])
+        self._recompute_pins: tuple[object | None, list[Chunk]] = (None, [])
         self._recorded: list[tuple[int, str]] = []
         self._refined: set[int] = set()  # id() of plans already refined by a traced step
         self._step_bytes = 0
@@ -235,16 +237,21 @@ class ChunkManager:
 
         self._begin(plan)
         token = ops.ACTIVE.set(self)
+        ops.LAST[:] = [self]
+        self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
+            self._in_forward = False
             ops.ACTIVE.reset(token)
 
     def _begin(self, plan: AccessPlan) -> None:
         if self._recorded and self._plan is not None:
             self._refine(self._plan)
         self._unpin_node()
+        self._unpin(self._recompute_pins[1])
+        self._recompute_pins = (None, [])
         for chunk in self.chunks:  # pins left by an abandoned step
             if chunk.state is S.COMPUTE:
                 chunk.pins = 0
@@ -276,8 +283,22 @@ class ChunkManager:
     # -- accesses -------------------------------------------------------------------------------
 
     def fetch(self, chunk_id: int) -> dict[str, torch.Tensor]:
-        """Forward: the chunk's parameters as leaves of this step's autograd graph."""
-        chunk = self._access(chunk_id, "forward")
+        """The chunk's parameters as leaves of this step's autograd graph (in forward; in
+        backward when a checkpointed region recomputes)."""
+        if self._in_forward:
+            chunk = self._access(chunk_id, "forward")
+        else:
+            # A recomputation saves what backward needs as plain tensors, not through the
+            # hooks: every chunk it fetched stays pinned until backward moves on to another
+            # node (the region's gradients are done), whatever its release nodes say.
+            node = torch._C._current_autograd_node()
+            if node is not self._node_pins[0]:
+                self._unpin_node()  # the node that unpacked them is done
+            if node is not self._recompute_pins[0]:
+                self._unpin(self._recompute_pins[1])
+                self._recompute_pins = (node, [])
+            chunk = self._access(chunk_id, "backward")
+            self._recompute_pins[1].append(chunk)
         chunk.pins += 1
         grad = torch.is_grad_enabled()
         views = {}
@@ -293,7 +314,10 @@ class ChunkManager:
         return views
 
     def release(self, chunk_id: int) -> None:
-        """Forward is done with the chunk (every alias of its parameters): evictable."""
+        """Forward is done with the chunk (every alias of its parameters): evictable. In a
+        recomputation the chunk stays pinned (see fetch)."""
+        if not self._in_forward:
+            return
         chunk = self.chunks[chunk_id]
         chunk.pins -= 1
         if chunk.pins == 0:
@@ -358,6 +382,9 @@ class ChunkManager:
         if node is not self._node_pins[0]:
             self._unpin_node()
             self._node_pins = (node, [])
+        if node is not self._recompute_pins[0]:
+            self._unpin(self._recompute_pins[1])
+            self._recompute_pins = (None, [])
         chunk = self._access(packed.chunk, "backward")
         chunk.pins += 1
         self._node_pins[1].append(chunk)
@@ -365,11 +392,15 @@ class ChunkManager:
 
     def _unpin_node(self) -> None:
         """The backward node that unpacked these chunks is done: they are evictable again."""
-        for chunk in self._node_pins[1]:
+        self._unpin(self._node_pins[1])
+        self._node_pins = (None, [])
+
+    @staticmethod
+    def _unpin(chunks: list[Chunk]) -> None:
+        for chunk in chunks:
             chunk.pins -= 1
             if chunk.pins == 0:
                 chunk.move(S.HOLD_AFTER_BWD)
-        self._node_pins = (None, [])
 
     def _accumulate(self, slot: ParamSlot):
         stable = self.stable[slot.name]

@@ -19,10 +19,13 @@ if TYPE_CHECKING:
     from fxstar.runtime.chunks import ChunkManager
 
 ACTIVE: ContextVar[ChunkManager | None] = ContextVar("fxstar_chunk_manager", default=None)
+# The manager of the latest forward: a checkpointed region's recomputation runs its fetches
+# during backward, outside the forward's context.
+LAST: list[ChunkManager] = []
 
 
 def _manager() -> ChunkManager:
-    manager = ACTIVE.get()
+    manager = ACTIVE.get() or (LAST[0] if LAST else None)
     if manager is None:
         raise RuntimeError(
             "a chunk operation ran outside an fxstar Engine; run the graph through the "

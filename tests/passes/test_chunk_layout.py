@@ -111,11 +111,6 @@ def test_the_memory_monitor_samples_in_the_background():
     assert "memory monitor:" in engine.report()
 
 
-def test_checkpoint_with_chunks_is_refused_until_regions_fetch_their_own():
-    with pytest.raises(NotImplementedError, match="checkpoint together with the chunk engine"):
-        compiled(tiny_gpt(), device_memory="10MiB", checkpoint="blocks")
-
-
 def test_tiles_are_chunk_entries_of_their_own():
     budget = roomy(tiny_gpt())
     plain = compiled(tiny_gpt(), device_memory=budget)
