@@ -1,9 +1,9 @@
 """Activation passes on the benchmark GPT, as ratios to the plain compiled engine in one run.
 
 GPT: vocabulary 8192, d=512, 12 layers, sequence 256, batch 4 (fp32, dropout 0). Rows: none,
-checkpoint='blocks', + offload_activations, + cpu_embedding (pending the chunk engine),
-+ tiled_linear 2x2, checkpoint='auto' at a budget of half the plain peak, and torch.compile's
-min-cut partitioner at `activation_memory_budget=0.5` where inductor runs on this CPU.
+checkpoint='blocks', + offload_activations, + cpu_embedding, + tiled_linear 2x2,
+checkpoint='auto' at a budget of half the plain peak, and torch.compile's min-cut partitioner
+at `activation_memory_budget=0.5` where inductor runs on this CPU.
 
 Columns: peak activation bytes on the compute tier (every tensor allocated during one
 forward+backward and alive at once, parameter gradients excluded; host-tier copies are not
@@ -49,6 +49,7 @@ class Row:
     step_ms: float | None = None
     step_ratio: float | None = None
     largest_weight: int | None = None
+    min_device_memory: int | None = None
     note: str = ""
 
 
@@ -158,6 +159,18 @@ def largest_weight(engine: fxstar.Engine) -> int:
     )
 
 
+def min_device_memory(plan: fxstar.Plan, args) -> int:
+    """The smallest budget the chunk passes accept for this plan, roughly: activations and
+    temporaries at their peak plus two chunks of the largest parameter left in the chunks."""
+    from fxstar.passes.chunk_layout import nonmodel_peak
+
+    model, inputs = make(args)  # a fresh model: the chunk engine takes its parameters over
+    roomy = plan.replace(device_memory="1000%", passes=[*plan.passes, "shape_memory"])
+    program = fxstar.compile(model, roomy, example_inputs=inputs).program
+    largest = max(p.nbytes for p in program.params if not p.host_resident)
+    return nonmodel_peak(program) + 2 * largest
+
+
 def timed_rounds(runs: list[tuple[Row, object]], model, inputs, steps: int) -> None:
     """Step times, one step of every row per round, so a busy machine slows all alike; the
     step time is the median, the ratio the median of same-round ratios to the first row."""
@@ -180,6 +193,7 @@ def engine_row(name: str, plan: fxstar.Plan, model, inputs, args) -> tuple[Row, 
     row.saved_bytes, _ = saved_bytes(engine, model, inputs)
     row.block_saved_bytes = block_saved(engine)
     row.largest_weight = largest_weight(engine)
+    row.min_device_memory = min_device_memory(plan, args)
     decision = engine.program.meta.get(DECISION_KEY)
     if decision is not None and decision.mode == "auto":
         row.note = decision.summary()
@@ -237,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     runs.append(engine_row("checkpoint", ckpt, model, inputs, args))
     offload = ckpt.replace(offload_activations=True)
     runs.append(engine_row("checkpoint+offload", offload, model, inputs, args))
-    tiled = offload.replace(tiled_linear={"in_splits": 2, "out_splits": 2})
+    embedding = offload.replace(cpu_embedding=True)
+    runs.append(engine_row("+cpu_embedding", embedding, model, inputs, args))
+    tiled = embedding.replace(tiled_linear={"in_splits": 2, "out_splits": 2})
     runs.append(engine_row("+tiled_linear 2x2", tiled, model, inputs, args))
     budget = plain[0].peak_bytes // 2
     auto = fxstar.Plan(checkpoint="auto", activation_memory=budget)
@@ -247,15 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         runs.append((row, compiled) if compiled is not None else (row, None))
     timed_rounds([(r, fn) for r, fn in runs if fn is not None], model, inputs, args.steps)
     rows = [r for r, _ in runs]
-    rows.insert(3, Row("+cpu_embedding", note="pending chunk engine"))
     plain, auto_row = rows[0], rows[5]
+    print("min budget: the smallest device_memory the chunk passes accept for the row's plan")
+    print("(activations at their peak + two chunks of the largest parameter left in chunks);")
+    print("this GPT ties its lm head to the embedding, so cpu_embedding moves only wpe.")
 
     def ratio(value, base):
         return "-" if value is None or not base else f"{value / base:.2f}x"
 
     header = (f"{'row':<26} {'peak act':>10} {'ratio':>6} {'saved':>10} {'ratio':>6} "
               f"{'blocks saved':>12} {'ratio':>6} {'step ms':>8} {'ratio':>6} "
-              f"{'largest W':>10}")  # fmt: skip
+              f"{'largest W':>10} {'min budget':>10}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -266,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratio(r.block_saved_bytes, plain.block_saved_bytes):>6} "
               f"{'-' if r.step_ms is None else f'{r.step_ms:.0f}':>8} "
               f"{'-' if r.step_ratio is None else f'{r.step_ratio:.2f}x':>6} "
-              f"{size(r.largest_weight):>10}")  # fmt: skip
+              f"{size(r.largest_weight):>10} {size(r.min_device_memory):>10}")  # fmt: skip
         if r.note:
             print(f"  {r.note}")
     ck = rows[1]

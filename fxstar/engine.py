@@ -329,8 +329,7 @@ class Engine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.chunks is not None:
-            self.chunks.zero_grad(set_to_none)
-            return
+            self.chunks.zero_grad(set_to_none)  # also what low-precision chunks hold
         for _, p in self.store.named_parameters():
             if p.grad is None:
                 continue

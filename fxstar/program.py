@@ -53,6 +53,7 @@ class ParamInfo:
     last_use: str | None = None
     chunk: int | None = None  # where chunk_layout put it: chunk id and element offset
     chunk_offset: int | None = None
+    host_resident: bool = False  # kept out of the chunks, on the host (cpu_embedding)
 
     @property
     def numel(self) -> int:

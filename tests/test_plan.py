@@ -342,14 +342,14 @@ def test_check_implemented():
 
 def test_mark_implemented(monkeypatch):
     monkeypatch.setattr(plan_module, "IMPLEMENTED", set(IMPLEMENTED))
-    plan = Plan(cpu_embedding=True)
-    with pytest.raises(NotImplementedError, match="cpu_embedding"):
+    plan = Plan(fake_dist=True)
+    with pytest.raises(NotImplementedError, match="fake_dist"):
         plan.check_implemented()
-    plan_module.mark_implemented("cpu_embedding", "loss_scale.hysteresis")
+    plan_module.mark_implemented("fake_dist", "loss_scale.hysteresis")
     plan.check_implemented()
-    with pytest.raises(PlanError, match="did you mean 'cpu_embedding'"):
-        mark_implemented("cpu_embeding")
-    assert "cpu_embedding" not in IMPLEMENTED  # the real registry was not touched
+    with pytest.raises(PlanError, match="did you mean 'fake_dist'"):
+        mark_implemented("fake_dst")
+    assert "fake_dist" not in IMPLEMENTED  # the real registry was not touched
 
 
 def test_describe_lists_every_option():

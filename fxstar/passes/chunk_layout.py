@@ -19,7 +19,7 @@ from fxstar.dump import NOTES_KEY
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
 from fxstar.passes.checkpoint import region_calls, region_inputs
-from fxstar.passes.shape_memory import META_KEY
+from fxstar.passes.shape_memory import META_KEY, ShapeMemory
 from fxstar.plan import mark_implemented
 from fxstar.program import ParamInfo, Program
 from fxstar.runtime.layout import ChunkLayout, ChunkSpec, ParamSlot
@@ -74,7 +74,7 @@ def nonmodel_peak(program: Program) -> int:
 def params_per_node(program: Program) -> list[tuple[str, ...]]:
     """The parameters each node reads directly, for nodes that read more than one; inside a
     checkpointed region for its nodes (the region fetches its parameters itself)."""
-    owner = {ph: p.name for p in program.params for ph in p.placeholders}
+    owner = {ph: p.name for p in program.params for ph in p.placeholders if not p.host_resident}
     regions = dict(region_calls(program.graph_module))
     out = []
 
@@ -149,7 +149,7 @@ def search_chunk_size(program: Program, params: Sequence[ParamInfo], share: int)
 
 
 def plan_layout(program: Program) -> ChunkLayout:
-    params = list(program.params)
+    params = [p for p in program.params if not p.host_resident]  # cpu_embedding keeps some out
     dtypes = sorted({str(p.dtype) for p in params})
     if len(dtypes) != 1:
         raise ChunkLayoutError(f"chunks hold one dtype; the parameters have {dtypes}")
@@ -192,6 +192,10 @@ class ChunkLayoutPass(Pass):
         return uses_chunks(plan)
 
     def __call__(self, program: Program) -> Program:
+        if program.stages[-1].name != "shape_memory":
+            # a rewrite ran since the activations were measured (checkpointing shrinks them):
+            # the budget is planned on the graph as it is now
+            ShapeMemory()(program)
         layout = program.shared.get(LAYOUT_KEY)
         if layout is None:
             layout = program.shared[LAYOUT_KEY] = plan_layout(program)
@@ -199,6 +203,8 @@ class ChunkLayoutPass(Pass):
         slots = layout.slots()
         nodes = {n.name: n for n in program.graph_module.graph.nodes}
         for info in program.params:
+            if info.host_resident:
+                continue
             slot = slots[info.name]
             info.chunk, info.chunk_offset = slot.chunk, slot.offset
             for ph in info.placeholders:

@@ -149,11 +149,16 @@ def insert_fetches(
 
 
 def parameter_placeholders(program: Program) -> dict[fx.Node, str]:
+    """Placeholder -> parameter name, for the parameters that live in chunks."""
     kinds = program.placeholder_kinds()
+    host = {alias for p in program.params if p.host_resident for alias in p.aliases}
     return {
         n: kinds[n.name].target
         for n in program.graph_module.graph.nodes
-        if n.op == "placeholder" and n.name in kinds and kinds[n.name].kind == "parameter"
+        if n.op == "placeholder"
+        and n.name in kinds
+        and kinds[n.name].kind == "parameter"
+        and kinds[n.name].target not in host
     }
 
 

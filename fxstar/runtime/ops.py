@@ -52,3 +52,14 @@ def param(fetched: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 # dead-code elimination must keep both.
 has_side_effect(fetch)
 has_side_effect(release)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Token ids go to the host, where an embedding kept out of the chunks lives."""
+    return t.to("cpu")
+
+
+def to_compute(t: torch.Tensor) -> torch.Tensor:
+    """A host embedding lookup's result, back on the compute tier."""
+    manager = ACTIVE.get()
+    return t if manager is None else t.to(manager.device)

@@ -72,6 +72,17 @@ class HybridAdam(torch.optim.Optimizer):
                     "exp_avg_sq": exp_avg_sq[part].view(slot.shape),
                 }
                 self._slots[id(param)] = slot
+        # parameters kept out of the chunks (cpu_embedding) are updated where they are
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in self._slots:
+                    self.state[param] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.contiguous_format),
+                        "exp_avg_sq": torch.zeros_like(
+                            param, memory_format=torch.contiguous_format
+                        ),
+                    }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.zero_grad(set_to_none)
@@ -80,9 +91,13 @@ class HybridAdam(torch.optim.Optimizer):
         """The parameters to update, merged into runs that one kernel call can take: adjacent
         in their chunk, in one param group, at the same step, with their gradients in the
         chunk's gradient buffer. A gradient a user put elsewhere makes a run of its own."""
-        runs: list[tuple[list[torch.nn.Parameter], dict, slice, torch.Tensor]] = []
+        runs: list[tuple[list[torch.nn.Parameter], dict, slice | None, torch.Tensor]] = []
         # looked up each step: loading a state dict replaces the group dicts
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for group in self.param_groups:  # parameters outside the chunks: a run each
+            for param in group["params"]:
+                if id(param) not in self._slots and param.grad is not None:
+                    runs.append(([param], group, None, param.grad))
         for chunk in self.manager.chunks:
             if chunk.host_grad is None:
                 continue
@@ -98,7 +113,7 @@ class HybridAdam(torch.optim.Optimizer):
                 group = group_of[id(param)]
                 in_buffer = grad.data_ptr() == base + slot.offset * itemsize
                 span = slice(slot.offset, slot.offset + slot.numel)
-                if runs and in_buffer:
+                if runs and in_buffer and runs[-1][2] is not None:
                     params, g, last, flat = runs[-1]
                     prev = self._slots[id(params[-1])]
                     if (
@@ -126,7 +141,10 @@ class HybridAdam(torch.optim.Optimizer):
                 closure()
         runs = self._runs()
         # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
-        grads = [flat[span] if self._in_buffer(flat) else flat for _, _, span, flat in runs]
+        grads = [
+            flat[span] if span is not None and self._in_buffer(flat) else flat
+            for _, _, span, flat in runs
+        ]
         sum_sq, finite = 0.0, True
         for grad in grads:
             stats = cpu_adam.grad_stats(grad)
@@ -144,6 +162,16 @@ class HybridAdam(torch.optim.Optimizer):
             grad_scale *= min(1.0, self.clip_grad_norm / (self.last_grad_norm + 1e-6))
         touched = set()
         for (params, group, span, _), grad in zip(runs, grads, strict=True):
+            if span is None:  # a parameter outside the chunks
+                state = self.state[params[0]]
+                state["step"] += 1
+                cpu_adam.adam_step(
+                    params[0], grad, state["exp_avg"], state["exp_avg_sq"],
+                    step=int(state["step"]), lr=group["lr"], betas=group["betas"],
+                    eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.adamw,
+                    grad_scale=grad_scale,
+                )  # fmt: skip
+                continue
             slot = self._slots[id(params[0])]
             chunk = self.manager.chunks[slot.chunk]
             home = chunk.master if chunk.master is not None else chunk.host
