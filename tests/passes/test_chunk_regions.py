@@ -61,3 +61,16 @@ def test_fetches_live_inside_the_regions_and_recomputation_is_planned():
     assert all(c in backward for c in inside)  # fetched again for the recomputation
     engine(*tokens()).backward()
     assert engine.chunks._recorded == list(zip(plan.chunks, plan.phases, strict=True))
+
+
+def test_every_memory_pass_together_passes_verify():
+    """checkpoint, offload, cpu_embedding, tiling and the chunk passes in one plan, each stage
+    checked against the one before by plan.verify (tiling within its tolerance)."""
+    tiles = {"in_splits": 2, "out_splits": 2, "min_size": 1024}
+    plan = plan_for("gpt", offload_activations=True, cpu_embedding=True, tiled_linear=tiles)
+    engine = compile(tiny_gpt(), plan.replace(verify=True), example_inputs=tokens())
+    names = engine.pass_manager.names
+    assert names.index("checkpoint") < names.index("chunk_schedule")
+    assert {"cpu_embedding", "tiled_linear", "offload_activations"} <= set(names)
+    engine(*tokens()).backward()
+    assert engine.step()
