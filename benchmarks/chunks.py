@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from gpt_setup import add_gpt_args, make_gpt
 
 import fxstar
-from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.passes.chunk_schedule import PLAN_KEY
 
@@ -67,15 +67,6 @@ def next_use(positions: list[int], t: int) -> int:
     return positions[i] if i < len(positions) else 1 << 62
 
 
-def make(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
-                    n_head=args.heads, n_embd=args.width, dropout=0.0)  # fmt: skip
-    idx = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.block_size))
-    targets = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.block_size))
-    return GPT(cfg), idx, targets
-
-
 def train_step(model, optimizer, idx, targets) -> float:
     start = time.perf_counter()
     model(idx, targets).backward()
@@ -86,19 +77,14 @@ def train_step(model, optimizer, idx, targets) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_gpt_args(parser)
     parser.add_argument("--shares", default="100,50,25", help="chunk share, % of param bytes")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
 
-    eager, idx, targets = make(args)
-    probe = fxstar.compile(make(args)[0], fxstar.Plan(passes=["shape_memory"]), (idx, targets))
+    eager, idx, targets = make_gpt(args)
+    probe = fxstar.compile(make_gpt(args)[0], fxstar.Plan(passes=["shape_memory"]), (idx, targets))
     param_bytes = probe.program.param_bytes
     activations = nonmodel_peak(probe.program)
     print(f"GPT {args.layers} layers, d={args.width}, vocab {args.vocab}: "
@@ -109,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     for share in args.shares.split(","):
         budget = activations + int(int(share) / 100 * param_bytes)
-        model = make(args)[0]
+        model = make_gpt(args)[0]
         engine = fxstar.compile(model, fxstar.Plan(device_memory=budget), (idx, targets))
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
         engines[share] = (engine, optimizer, budget)

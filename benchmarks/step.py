@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from gpt_setup import add_gpt_args, make_gpt
 
 import fxstar
-from fxstar.models.gpt import GPT, GPTConfig
 
 TARGETS = {"fp32_step": 1.02, "bf16_step": 1.0, "bf16_optimizer": 1.3}
 
@@ -38,15 +38,6 @@ class Row:
     eager_optimizer_ms: float
     engine_optimizer_ms: float
     optimizer_speedup: float  # eager / engine
-
-
-def make(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
-                    n_head=args.heads, n_embd=args.width, dropout=0.0)  # fmt: skip
-    idx = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.block_size))
-    targets = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.block_size))
-    return GPT(cfg), idx, targets
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -86,9 +77,9 @@ class Compiled:
 
 
 def bench(precision: str, args: argparse.Namespace) -> Row:
-    eager_model, idx, targets = make(args)
+    eager_model, idx, targets = make_gpt(args)
     eager = Eager(eager_model, precision)
-    compiled = Compiled(make(args)[0], precision, (idx, targets))
+    compiled = Compiled(make_gpt(args)[0], precision, (idx, targets))
     rows: dict[str, dict[str, list[float]]] = {}
     for _ in range(1 + args.steps):  # the first round warms up
         for name, runner in (("eager", eager), ("engine", compiled)):
@@ -113,17 +104,12 @@ def bench(precision: str, args: argparse.Namespace) -> Row:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_gpt_args(parser)
     parser.add_argument("--steps", type=int, default=3, help="timed rounds per precision")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    n = sum(p.numel() for p in make(args)[0].parameters())
+    n = sum(p.numel() for p in make_gpt(args)[0].parameters())
     print(f"GPT {args.layers} layers, d={args.width}, vocab {args.vocab}: {n / 1e6:.1f}M "
           f"parameters; batch {args.batch_size} x {args.seq_len}; "
           f"{torch.get_num_threads()} threads")  # fmt: skip

@@ -95,3 +95,20 @@ def inputs(make) -> tuple[tuple, dict]:
     if make is tiny_gpt:
         return (ids, targets), {}
     return (), {"input_ids": ids, "labels": targets}
+
+
+def assert_same_step(kind: str, eager, engine, step: int) -> None:
+    """One forward and backward of the eager model and of the engine on batch `step`, with the
+    same seed (dropout replays): the loss and every gradient bitwise equal."""
+    ids, targets = tokens(seed=step)
+    torch.manual_seed(step)
+    expected = call(kind, eager, ids, targets)
+    expected.backward()
+    torch.manual_seed(step)
+    loss = call(kind, engine, ids, targets)
+    loss.backward()
+    assert torch.equal(loss, expected), step
+    pairs = zip(eager.named_parameters(), engine.named_parameters(), strict=True)
+    for (name, p), (other, q) in pairs:
+        assert name == other
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), (step, name)

@@ -3,7 +3,7 @@ peak plus 40% of the parameter bytes, and still bit for bit the same training.""
 
 import pytest
 import torch
-from conftest import call, example, hf_gpt2, hf_llama, tiny_gpt, tokens
+from conftest import assert_same_step, example, hf_gpt2, hf_llama, tiny_gpt, tokens
 
 from fxstar.engine import compile
 from fxstar.passes.chunk_layout import nonmodel_peak
@@ -32,18 +32,7 @@ def test_ten_steps_bitwise_equal_to_eager_under_a_tight_budget(kind):
     reference = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     for step in range(10):
-        ids, targets = tokens(seed=step)
-        torch.manual_seed(step)
-        expected = call(kind, eager, ids, targets)
-        expected.backward()
-        torch.manual_seed(step)
-        loss = call(kind, engine, ids, targets)
-        loss.backward()
-        assert torch.equal(loss, expected), step
-        pairs = zip(eager.named_parameters(), engine.named_parameters(), strict=True)
-        for (name, p), (other, q) in pairs:
-            assert name == other
-            assert torch.equal(p.grad, q.grad), (step, name)
+        assert_same_step(kind, eager, engine, step)
         reference.step()
         optimizer.step()
         reference.zero_grad()

@@ -2,8 +2,7 @@
 recomputes in backward, and keeps them pinned until its gradients are done."""
 
 import pytest
-import torch
-from conftest import call, example, hf_gpt2, hf_llama, tiny_gpt, tokens
+from conftest import assert_same_step, example, hf_gpt2, hf_llama, tiny_gpt, tokens
 
 from fxstar.engine import compile
 from fxstar.passes.checkpoint import region_calls
@@ -33,17 +32,7 @@ def test_regions_with_chunks_are_bitwise_equal_to_eager(kind, offload):
                      **example(kind, *tokens()))  # fmt: skip
     engine.chunks.checking = True
     for step in range(3):
-        ids, targets = tokens(seed=step)
-        torch.manual_seed(step)
-        expected = call(kind, eager, ids, targets)
-        expected.backward()
-        torch.manual_seed(step)
-        loss = call(kind, engine, ids, targets)
-        loss.backward()
-        assert torch.equal(loss, expected)
-        pairs = zip(eager.named_parameters(), engine.named_parameters(), strict=True)
-        for (name, p), (_, q) in pairs:
-            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+        assert_same_step(kind, eager, engine, step)
         eager.zero_grad()
         engine.zero_grad()
     stats = engine.chunks.stats
