@@ -192,7 +192,8 @@ def _choose_auto(
     program: Program, regions: list[Region], budget: int
 ) -> tuple[list[Region], int, list[str]]:
     """The fewest regions, earliest first (their activations stay resident longest in
-    backward), whose peak of saved activations during backward fits the budget."""
+    backward), whose peak of activations during backward (saved, plus the largest gradient
+    being computed) fits the budget."""
     owner = {name: r for r in regions for name in r.nodes}
     items: list[tuple[int, Region | None]] = []
     for node in program.graph_module.graph.nodes:
@@ -202,13 +203,20 @@ def _choose_auto(
                 items.append((region.saved_bytes, region))
         elif MEMORY_KEY in node.meta:
             items.append((node.meta[MEMORY_KEY].saved_bytes, None))
+    # Besides what is saved, backward holds a transient: the gradient of the op it is working
+    # on, at most the size of the largest output (the logits' gradient, typically).
+    transient = max(
+        (n.meta[MEMORY_KEY].out_bytes for n in program.graph_module.graph.nodes
+         if MEMORY_KEY in n.meta),
+        default=0,
+    )  # fmt: skip
     count = 0
     while count < len(regions):
-        if _backward_peak(items, {id(r) for r in regions[:count]}) <= budget:
+        if _backward_peak(items, {id(r) for r in regions[:count]}) + transient <= budget:
             break
         count += 1
     chosen = regions[:count]
-    estimate = _backward_peak(items, {id(r) for r in chosen})
+    estimate = _backward_peak(items, {id(r) for r in chosen}) + transient
     notes = [] if estimate <= budget else ["budget not met even with every region checkpointed"]
     return chosen, estimate, notes
 
