@@ -68,6 +68,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     used = engine.plan.used_options()
     print("plan: " + (", ".join(used) if used else "all defaults"))
     print(format_estimate(engine.program))
+    if engine.chunks is not None:
+        print(engine.chunks.layout.describe())
     print(engine.report())
 
 

@@ -575,9 +575,6 @@ class ChunkManager:
 
     # -- what users see -------------------------------------------------------------------------
 
-    def parameters(self) -> dict[str, nn.Parameter]:
-        return dict(self.stable)
-
     def report(self) -> str:
         lay, st, arena = self.layout, self.stats, self.arena.stats()
         steps = max(len(st.per_step_bytes), 1)

@@ -33,6 +33,7 @@ def test_first_use_order_and_ties_stored_once():
     slot = slots["h.0.attn.c_attn.weight"]
     assert (info.chunk, info.chunk_offset) == (slot.chunk, slot.offset)
     assert f"chunk={slot.chunk}+{slot.offset}" in engine.program.stages[2].text
+    assert "chunk 0: " in layout.describe() and "wte.weight" in layout.describe()
 
 
 def test_auto_size_holds_the_largest_and_fits_the_share():
