@@ -237,6 +237,11 @@ class Engine(nn.Module):
                 self._optimizer = _torch_optimizer(groups, opt)
         return self._optimizer
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, for symmetry with DeepSpeed/PatrickStar (`model.backward(loss)`):
+        under fp16 the loss the engine returned already sends scaled gradients back."""
+        loss.backward()
+
     def step(self) -> bool:
         """One optimizer step every `accumulation_steps` calls (gradients summed meanwhile),
         with gradient clipping if planned, then gradients zeroed. True when it stepped."""
@@ -364,6 +369,11 @@ class Engine(nn.Module):
         )
         if self.chunks is not None:
             lines.append(self.chunks.report())
+        if self.scaler is not None:
+            lines.append(
+                f"fp16 loss scale {self.scaler.scale:g}; {self.scaler.skipped_steps} steps "
+                "skipped for overflow"
+            )
         report = program.meta.get(META_KEY)
         if report is not None:
             lines.append(report.format())

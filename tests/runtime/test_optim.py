@@ -146,8 +146,9 @@ def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
     assert not engine.step()
     assert engine.scaler.scale == 128.0 and engine.optimizer.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, engine.parameters(), strict=True))
-    engine(ids, targets).backward()
+    engine.backward(engine(ids, targets))
     assert engine.step()  # and the next step runs again
+    assert "fp16 loss scale 128; 1 steps skipped for overflow" in engine.report()
     assert not all(torch.equal(a, b) for a, b in zip(before, engine.parameters(), strict=True))
 
 
