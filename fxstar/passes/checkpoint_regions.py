@@ -188,12 +188,9 @@ def _backward_peak(items: list[tuple[int, Region | None]], chosen: set[int]) -> 
     return peak
 
 
-def _choose_auto(
-    program: Program, regions: list[Region], budget: int
-) -> tuple[list[Region], int, list[str]]:
-    """The fewest regions, earliest first (their activations stay resident longest in
-    backward), whose peak of activations during backward (saved, plus the largest gradient
-    being computed) fits the budget."""
+def _peak(program: Program, regions: list[Region], chosen: list[Region], transient: int) -> int:
+    """Expected peak of activations in backward when `chosen` (among `regions`) are
+    checkpointed: saved activations (recomputation included) plus the largest gradient."""
     owner = {name: r for r in regions for name in r.nodes}
     items: list[tuple[int, Region | None]] = []
     for node in program.graph_module.graph.nodes:
@@ -203,6 +200,17 @@ def _choose_auto(
                 items.append((region.saved_bytes, region))
         elif MEMORY_KEY in node.meta:
             items.append((node.meta[MEMORY_KEY].saved_bytes, None))
+    return _backward_peak(items, {id(r) for r in chosen}) + transient
+
+
+def _choose_auto(
+    program: Program, regions: list[Region], budget: int
+) -> tuple[list[Region], int, list[str]]:
+    """The fewest regions, earliest first (their activations stay resident longest in
+    backward), whose peak of activations during backward (saved, plus the largest gradient
+    being computed) fits the budget. Whole blocks are coarse (one block of a 12-layer model is
+    ~8% of its activations): the last block is then checkpointed only in part (one of its
+    child modules) when that fits, so the peak lands closer to the budget."""
     # Besides what is saved, backward holds a transient: the gradient of the op it is working
     # on, at most the size of the largest output (the logits' gradient, typically).
     transient = max(
@@ -211,14 +219,40 @@ def _choose_auto(
         default=0,
     )  # fmt: skip
     count = 0
-    while count < len(regions):
-        if _backward_peak(items, {id(r) for r in regions[:count]}) + transient <= budget:
-            break
+    while count < len(regions) and _peak(program, regions, regions[:count], transient) > budget:
         count += 1
     chosen = regions[:count]
-    estimate = _backward_peak(items, {id(r) for r in chosen}) + transient
+    estimate = _peak(program, regions, chosen, transient)
+    if count:
+        chosen, estimate = _refine_last(program, regions, count, budget, transient, estimate)
     notes = [] if estimate <= budget else ["budget not met even with every region checkpointed"]
     return chosen, estimate, notes
+
+
+def _refine_last(
+    program: Program,
+    regions: list[Region],
+    count: int,
+    budget: int,
+    transient: int,
+    estimate: int,
+) -> tuple[list[Region], int]:
+    """Try the last chosen block's child modules instead of the whole block: the single child
+    that still fits the budget with the highest peak (the least recomputation) wins."""
+    last = regions[count - 1]
+    children = [r for r in find_regions(program.graph_module.graph, (f"{last.module}.*",))
+                if set(r.nodes) <= set(last.nodes)]  # fmt: skip
+    if len(children) < 2:
+        return regions[:count], estimate
+    _measure(program, children)
+    best = (regions[:count], estimate)
+    for child in children:
+        split = regions[: count - 1] + [child]
+        candidates = [r for r in regions if r is not last] + [child]
+        peak = _peak(program, candidates, split, transient)
+        if peak <= budget and peak > best[1]:
+            best = (split, peak)
+    return best
 
 
 @register

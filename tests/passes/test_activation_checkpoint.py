@@ -144,3 +144,21 @@ def test_regions_run_plainly_without_grad():
     engine = compile(tiny_gpt(dropout=0.0), Plan(checkpoint="blocks"), args)
     with torch.no_grad():
         assert torch.equal(engine(*args), engine(*args).detach())
+
+
+def test_auto_checkpoints_part_of_the_last_block_when_that_is_enough():
+    args, _ = inputs(gpt)
+    saved = compile(gpt(), Plan(passes=["shape_memory"]), args).program.meta[META_KEY].saved_bytes
+    found = None
+    for share in (0.97, 0.94, 0.91, 0.88, 0.85, 0.82):
+        budget = int(saved * share)
+        engine = compile(gpt(), Plan(checkpoint="auto", activation_memory=budget), args)
+        decision = engine.program.meta[DECISION_KEY]
+        assert decision.estimate <= budget
+        modules = [r.module for r in decision.chosen]
+        if modules and modules[-1].count(".") == 2:  # a child of a block, e.g. 'h.0.mlp'
+            found = budget
+            break
+    assert found is not None
+    plan = Plan(checkpoint="auto", activation_memory=found, verify=True)  # bitwise vs eager
+    compile(gpt(), plan, args)
