@@ -112,3 +112,14 @@ def assert_same_step(kind: str, eager, engine, step: int) -> None:
     for (name, p), (other, q) in pairs:
         assert name == other
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), (step, name)
+
+
+def activation_budget(factory, share: float, **compile_kwargs) -> int:
+    """A device_memory for tests that page parameters: the activations' measured peak (with
+    room for the largest temporary) plus `share` of the parameter bytes."""
+    from fxstar.engine import compile
+    from fxstar.passes.chunk_layout import nonmodel_peak
+    from fxstar.plan import Plan
+
+    program = compile(factory(), Plan(passes=["shape_memory"]), **compile_kwargs).program
+    return nonmodel_peak(program) + int(share * program.param_bytes)

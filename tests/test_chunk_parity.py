@@ -3,21 +3,25 @@ peak plus 40% of the parameter bytes, and still bit for bit the same training.""
 
 import pytest
 import torch
-from conftest import assert_same_step, example, hf_gpt2, hf_llama, tiny_gpt, tokens
+from conftest import (
+    activation_budget,
+    assert_same_step,
+    example,
+    hf_gpt2,
+    hf_llama,
+    tiny_gpt,
+    tokens,
+)
 
 from fxstar.engine import compile
-from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.plan import Plan
 
 FACTORIES = {"gpt": tiny_gpt, "gpt2": hf_gpt2, "llama": hf_llama}
 
 
 def tight_budget(kind) -> int:
-    """The non-model peak plus 40% of the parameter bytes, measured on a plain compile."""
-    ids, targets = tokens()
-    plan = Plan(passes=["shape_memory"])
-    program = compile(FACTORIES[kind](), plan, **example(kind, ids, targets)).program
-    return nonmodel_peak(program) + int(0.4 * program.param_bytes)
+    """The non-model peak plus 40% of the parameter bytes."""
+    return activation_budget(FACTORIES[kind], 0.4, **example(kind, *tokens()))
 
 
 @pytest.mark.parametrize("kind", FACTORIES)

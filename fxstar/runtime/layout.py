@@ -8,6 +8,7 @@ ChunkManager follows them; a user can read, print or change them between compile
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +25,7 @@ class ParamSlot:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass

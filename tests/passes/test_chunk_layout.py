@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_gpt, tokens
+from conftest import activation_budget, tiny_gpt, tokens
 
 from fxstar.engine import compile
 from fxstar.passes.chunk_layout import LAYOUT_KEY, ChunkLayoutError, nonmodel_peak
@@ -13,14 +13,14 @@ def compiled(model, **plan):
     return compile(model, Plan(**plan), example_inputs=tokens())
 
 
-def roomy(model) -> int:
-    program = compiled(model, passes=["shape_memory"]).program
-    return nonmodel_peak(program) + program.param_bytes
+def roomy() -> int:
+    """Every chunk fits besides the activations."""
+    return activation_budget(tiny_gpt, 1.0, example_inputs=tokens())
 
 
 def test_first_use_order_and_ties_stored_once():
     model = tiny_gpt()
-    engine = compiled(model, device_memory=roomy(tiny_gpt()))
+    engine = compiled(model, device_memory=roomy())
     layout = engine.program.meta[LAYOUT_KEY]
     order = [p.name for c in layout.chunks for p in c.params]
     uses = {p.name: i for i, p in enumerate(engine.program.params)}
@@ -37,7 +37,7 @@ def test_first_use_order_and_ties_stored_once():
 
 
 def test_auto_size_holds_the_largest_and_fits_the_share():
-    budget = roomy(tiny_gpt())
+    budget = roomy()
     engine = compiled(tiny_gpt(), device_memory=budget)
     layout = engine.program.meta[LAYOUT_KEY]
     largest = max(p.numel() for p in tiny_gpt().parameters())
@@ -50,7 +50,11 @@ def test_frozen_parameters_get_chunks_without_gradient_space():
     model = tiny_gpt()
     for p in model.h[0].parameters():
         p.requires_grad_(False)
-    engine = compiled(model, device_memory=roomy(tiny_gpt()), chunk_size=8192)
+    engine = compiled(
+        model,
+        device_memory=roomy(),
+        chunk_size=8192,
+    )
     for chunk in engine.chunks.chunks:
         kinds = {s.requires_grad for s in chunk.slots}
         assert len(kinds) == 1  # never mixed
@@ -87,7 +91,7 @@ def test_one_dtype_per_layout():
 
 
 def test_layout_is_shared_by_every_capture():
-    engine = compiled(tiny_gpt(), device_memory=roomy(tiny_gpt()))
+    engine = compiled(tiny_gpt(), device_memory=roomy())
     first = engine.program.meta[LAYOUT_KEY]
     ids, targets = tokens(seq=8)
     engine(ids, targets).backward()
@@ -102,7 +106,11 @@ def test_chunk_options_without_a_budget_are_refused():
 
 
 def test_the_memory_monitor_samples_in_the_background():
-    engine = compiled(tiny_gpt(), device_memory=roomy(tiny_gpt()), async_mem_monitor=True)
+    engine = compiled(
+        tiny_gpt(),
+        device_memory=roomy(),
+        async_mem_monitor=True,
+    )
     ids, targets = tokens()
     for _ in range(20):
         engine(ids, targets).backward()
@@ -113,7 +121,7 @@ def test_the_memory_monitor_samples_in_the_background():
 
 
 def test_tiles_are_chunk_entries_of_their_own():
-    budget = roomy(tiny_gpt())
+    budget = roomy()
     plain = compiled(tiny_gpt(), device_memory=budget)
     tiles = {"in_splits": 2, "out_splits": 2, "min_size": 1024}
     eager, model = tiny_gpt(), tiny_gpt()

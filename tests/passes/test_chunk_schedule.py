@@ -2,31 +2,33 @@
 
 import pytest
 import torch
-from conftest import check_golden, tiny_gpt, tokens
+from conftest import activation_budget, check_golden, tiny_gpt, tokens
 from torch import nn
 
 from fxstar.dump import dump
 from fxstar.engine import compile
-from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.passes.chunk_schedule import PLAN_KEY, ChunkScheduleError
 from fxstar.plan import Plan
 from fxstar.runtime import ops
 
 
-def budget_for(model_factory, share: float, inputs) -> int:
-    program = compile(model_factory(), Plan(passes=["shape_memory"]), inputs).program
-    return nonmodel_peak(program) + int(share * program.param_bytes)
-
-
 def test_golden_dump_of_the_rewritten_gpt():
     inputs = tokens()
-    engine = compile(tiny_gpt(), Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs)), inputs)
+    engine = compile(
+        tiny_gpt(),
+        Plan(device_memory=activation_budget(tiny_gpt, 0.4, example_inputs=inputs)),
+        inputs,
+    )
     check_golden("gpt_chunk_schedule.txt", dump(engine, "chunk_schedule"))
 
 
 def test_tied_embedding_is_fetched_again_for_the_head():
     inputs = tokens()
-    engine = compile(tiny_gpt(), Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs)), inputs)
+    engine = compile(
+        tiny_gpt(),
+        Plan(device_memory=activation_budget(tiny_gpt, 0.4, example_inputs=inputs)),
+        inputs,
+    )
     graph = engine.program.graph_module.graph
     fetches = [n.args[0] for n in graph.nodes if n.target is ops.fetch]
     head_chunk = engine.chunks.layout.slots()["head.weight"].chunk
@@ -53,7 +55,10 @@ def test_release_waits_for_the_last_alias_use():
     model = LateTranspose()
     model.load_state_dict(eager.state_dict())
     x = torch.randn(4, 16)
-    plan = Plan(device_memory=budget_for(LateTranspose, 0.6, (x,)), chunk_size=16 * 16 + 16)
+    plan = Plan(
+        device_memory=activation_budget(LateTranspose, 0.6, example_inputs=(x,)),
+        chunk_size=16 * 16 + 16,
+    )
     engine = compile(model, plan, (x,))
     nodes = list(engine.program.graph_module.graph.nodes)
     chunk = engine.chunks.layout.slots()["a.weight"].chunk
@@ -75,7 +80,11 @@ def test_release_waits_for_the_last_alias_use():
 
 def test_plan_lists_forward_fetches_then_backward_unpacks():
     inputs = tokens()
-    engine = compile(tiny_gpt(), Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs)), inputs)
+    engine = compile(
+        tiny_gpt(),
+        Plan(device_memory=activation_budget(tiny_gpt, 0.4, example_inputs=inputs)),
+        inputs,
+    )
     plan = engine.program.meta[PLAN_KEY]
     forward = plan.forward_len
     assert plan.phases == ["forward"] * forward + ["backward"] * (len(plan) - forward)
@@ -86,7 +95,7 @@ def test_plan_lists_forward_fetches_then_backward_unpacks():
 
 def test_a_moment_that_cannot_fit_stops_the_compile_with_numbers():
     inputs = tokens()
-    budget = budget_for(tiny_gpt, 0.4, inputs)
+    budget = activation_budget(tiny_gpt, 0.4, example_inputs=inputs)
     # chunks so small that layer norms straddle them; a static share of about one chunk
     plan = Plan(device_memory=budget, chunk_size=4096, static_partition=True,
                 warmup_gpu_chunk_mem_ratio=0.05)  # fmt: skip
@@ -96,7 +105,7 @@ def test_a_moment_that_cannot_fit_stops_the_compile_with_numbers():
 
 def test_static_partition_keeps_chunks_to_the_warmup_share():
     inputs = tokens()
-    budget = budget_for(tiny_gpt, 1.0, inputs)
+    budget = activation_budget(tiny_gpt, 1.0, example_inputs=inputs)
     plan = Plan(device_memory=budget, static_partition=True, warmup_gpu_chunk_mem_ratio=0.5)
     engine = compile(tiny_gpt(), plan, inputs)
     engine.chunks.checking = True
@@ -107,6 +116,6 @@ def test_static_partition_keeps_chunks_to_the_warmup_share():
 
 def test_plan_verify_checks_the_chunked_stage_bitwise():
     inputs = tokens()
-    plan = Plan(device_memory=budget_for(tiny_gpt, 0.4, inputs), verify=True)
+    plan = Plan(device_memory=activation_budget(tiny_gpt, 0.4, example_inputs=inputs), verify=True)
     engine = compile(tiny_gpt(), plan, inputs)  # raises VerifyError if any stage differs
     assert engine.pass_manager.names[-1] == "chunk_schedule"

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from conftest import call, example, tiny_gpt, tokens
+from conftest import activation_budget, call, example, tiny_gpt, tokens
 
 from fxstar.dump import dump
 from fxstar.engine import compile
-from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.passes.cpu_embedding import META_KEY
 from fxstar.plan import Plan
 
@@ -32,12 +31,6 @@ def batch(seed=0):
     )
 
 
-def budget(model_factory, **options) -> int:
-    program = compile(model_factory(), Plan(passes=["shape_memory"], **options),
-                      **example("llama", *batch())).program  # fmt: skip
-    return nonmodel_peak(program) + program.param_bytes
-
-
 def test_smallest_chunk_size_shrinks_on_an_untied_model(capsys):
     """The smallest feasible chunk size is the largest parameter in the chunks: the embedding
     leaves them with cpu_embedding, and the (untied, as large) lm head shrinks when tiled."""
@@ -47,7 +40,10 @@ def test_smallest_chunk_size_shrinks_on_an_untied_model(capsys):
     for label, options in (("neither", {}), ("cpu_embedding", {"cpu_embedding": True}),
                            ("cpu_embedding + tiled 2x2", {"cpu_embedding": True,
                                                           "tiled_linear": tiles})):  # fmt: skip
-        plan = Plan(device_memory=budget(untied_llama), **options)
+        plan = Plan(
+            device_memory=activation_budget(untied_llama, 1.0, **example("llama", *batch())),
+            **options,
+        )
         engine = compile(untied_llama(), plan, **example("llama", ids, targets))
         layout = engine.chunks.layout
         sizes[label] = max(p.numel for c in layout.chunks for p in c.params)
@@ -61,7 +57,11 @@ def test_smallest_chunk_size_shrinks_on_an_untied_model(capsys):
 
 def test_untied_training_matches_eager_bitwise():
     eager, model = untied_llama(), untied_llama()
-    plan = Plan(device_memory=budget(untied_llama), cpu_embedding=True, optimizer={"lr": 1e-3})
+    plan = Plan(
+        device_memory=activation_budget(untied_llama, 1.0, **example("llama", *batch())),
+        cpu_embedding=True,
+        optimizer={"lr": 1e-3},
+    )
     engine = compile(model, plan, **example("llama", *batch()))
     assert engine.program.meta[META_KEY]["host"] == ["model.embed_tokens.weight"]
     assert "ops.to_host" in dump(engine) and "cpu_embedding=on the host" in dump(engine)

@@ -3,10 +3,9 @@ scaling, clipping and accumulation."""
 
 import pytest
 import torch
-from conftest import call, example, hf_llama, tiny_gpt, tokens
+from conftest import activation_budget, call, example, hf_llama, tiny_gpt, tokens
 
 from fxstar.engine import compile
-from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.plan import Plan
 from fxstar.runtime.loss_scale import LossScaler
 from fxstar.runtime.optim import HybridAdam
@@ -31,10 +30,7 @@ FACTORIES = {"gpt": gpt_without_biases, "llama": hf_llama}
 
 
 def tight(kind) -> int:
-    ids, targets = tokens()
-    program = compile(FACTORIES[kind](), Plan(passes=["shape_memory"]),
-                      **example(kind, ids, targets)).program  # fmt: skip
-    return nonmodel_peak(program) + int(0.4 * program.param_bytes)
+    return activation_budget(FACTORIES[kind], 0.4, **example(kind, *tokens()))
 
 
 def reference_optimizer(model, plan):
