@@ -27,11 +27,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxstar
+from fxstar.live_bytes import step_peak
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.checkpoint_regions import DECISION_KEY
 from fxstar.passes.offload_activations import META_KEY as OFFLOAD_KEY
@@ -53,46 +51,6 @@ class Row:
     note: str = ""
 
 
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages created during a step and alive at once (the compute tier).
-
-    A storage counts from the op that creates it (an output whose storage no input has) until
-    it dies; storages made outside the mode (parameters, host buffers) never count."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.events: list[tuple[int, int]] = []  # (storage key, +bytes | -bytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage()._cdata
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for key, (ref, nbytes) in list(self.live.items()):
-            if ref.expired():
-                del self.live[key]
-                self.events.append((key, -nbytes))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage._cdata  # the weak ref keeps it from being reused while tracked
-                if key not in inputs and key not in self.live:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.events.append((key, storage.nbytes()))
-        return out
-
-    def peak(self, exclude: set[int]) -> int:
-        now = best = 0
-        for key, delta in self.events:
-            if key not in exclude:
-                now += delta
-                best = max(best, now)
-        return best
-
-
 def make(args: argparse.Namespace) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
@@ -109,11 +67,7 @@ def step(fn, model, inputs) -> None:
 
 def peak_bytes(fn, model, inputs) -> int:
     model.zero_grad(set_to_none=True)
-    tracer = LiveBytes()
-    with tracer:
-        fn(*inputs).backward()
-    grads = {p.grad.untyped_storage()._cdata for p in _trained(fn, model) if p.grad is not None}
-    return tracer.peak(grads)
+    return step_peak(fn, _trained(fn, model), inputs)
 
 
 def _trained(fn, model):

@@ -38,9 +38,8 @@ def training_memory(program: Program) -> list[EstimateRow]:
     report = program.meta.get(META_KEY)
     if report is not None:
         rows.append(EstimateRow("activations saved", report.saved_bytes, "for backward"))
-        nodes = program.graph_module.graph.nodes
-        largest = max((n.meta[META_KEY].out_bytes for n in nodes if META_KEY in n.meta), default=0)
-        rows.append(EstimateRow("largest op output", largest, "a temporary on top of the rest"))
+        rows.append(EstimateRow("largest backward temporary", report.largest_backward,
+                                "gradients one op allocates at once"))  # fmt: skip
     rows.append(EstimateRow("total", sum(r.nbytes for r in rows), "peak of a plain step, roughly"))
     return rows
 

@@ -6,9 +6,9 @@ Analysis only; the `checkpoint` pass follows the decision. Regions come from eac
   ends in an index ('h.3', 'model.layers.3', 'bert.encoder.layer.3') whose parent holds at
   least two indexed children of one class;
 - a list of module-name patterns (fnmatch): each module path matched (outermost first);
-- 'auto': the fewest blocks whose checkpointing keeps the peak of saved activations during
-  backward (from the `shape_memory` measurement, run here if it did not run; recomputation
-  included) within `plan.activation_memory`.
+- 'auto': the fewest blocks whose checkpointing keeps the peak of activations during backward
+  (saved ones, recomputation included, plus what each gradient allocates; from the
+  `shape_memory` measurement, run here if it did not run) within `plan.activation_memory`.
 `plan.checkpoint_every=k` keeps every k-th region. A region is the contiguous span of graph
 nodes from the first to the last node of its module (export lists nodes in execution order).
 The decision is data (`program.meta[DECISION_KEY]`, a CheckpointDecision) and shows in the
@@ -26,6 +26,7 @@ from torch import fx
 from fxstar.dump import NOTES_KEY
 from fxstar.passes import Pass, get, register
 from fxstar.passes.shape_memory import META_KEY as MEMORY_KEY
+from fxstar.passes.shape_memory import backward_peak, node_steps
 from fxstar.plan import PlanError, mark_implemented
 from fxstar.program import Program
 from fxstar.sizes import format_size
@@ -62,7 +63,7 @@ class CheckpointDecision:
     every: int = 1
     budget: int | None = None
     saved_before: int | None = None  # saved activations without checkpointing (shape_memory)
-    estimate: int | None = None  # peak saved activations expected in backward (auto)
+    estimate: int | None = None  # the peak of activations expected in backward
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -71,8 +72,8 @@ class CheckpointDecision:
             text += f" (every {self.every})"
         if self.estimate is not None and self.saved_before is not None:
             text += (
-                f", saved activations {format_size(self.saved_before)} -> "
-                f"~{format_size(self.estimate)}"
+                f", activations {format_size(self.saved_before)} saved without checkpoints, "
+                f"backward peak ~{format_size(self.estimate)}"
             )
         if self.budget is not None:
             text += f" for a budget of {format_size(self.budget)}"
@@ -170,72 +171,44 @@ def _measure(program: Program, regions: list[Region]) -> None:
         )
 
 
-def _backward_peak(items: list[tuple[int, Region | None]], chosen: set[int]) -> int:
-    """Peak of saved activations during backward, walking the graph in reverse.
-
-    `items` are (saved bytes, region or None) in forward order. Before backward everything
-    kept is resident; each step back frees what that item kept, and a checkpointed region
-    first brings back its recomputed activations while its backward runs.
-    """
-    live = sum(r.keep_bytes if r is not None and id(r) in chosen else saved for saved, r in items)
-    peak = live
-    for saved, region in reversed(items):
-        if region is not None and id(region) in chosen:
-            peak = max(peak, live + region.savings)
-            live -= region.keep_bytes
-        else:
-            live -= saved
-    return peak
-
-
-def _peak(program: Program, regions: list[Region], chosen: list[Region], transient: int) -> int:
-    """Expected peak of activations in backward when `chosen` (among `regions`) are
-    checkpointed: saved activations (recomputation included) plus the largest gradient."""
-    owner = {name: r for r in regions for name in r.nodes}
-    items: list[tuple[int, Region | None]] = []
-    for node in program.graph_module.graph.nodes:
-        region = owner.get(node.name)
-        if region is not None:
-            if not items or items[-1][1] is not region:
-                items.append((region.saved_bytes, region))
-        elif MEMORY_KEY in node.meta:
-            items.append((node.meta[MEMORY_KEY].saved_bytes, None))
-    return _backward_peak(items, {id(r) for r in chosen}) + transient
+def _peak(program: Program, chosen: list[Region]) -> int:
+    """Expected peak of activations in backward when `chosen` are checkpointed: saved
+    activations, recomputation, and what gradients allocate. A region keeps its inputs from
+    the forward; its activations come back when backward reaches its end and go node by node."""
+    first = {r.nodes[0]: r for r in chosen}
+    last = {r.nodes[-1]: r for r in chosen}
+    inside = {name for r in chosen for name in r.nodes}
+    steps = []
+    for node, step in node_steps(program.graph_module.graph.nodes).items():
+        if node.name in inside:
+            region = first.get(node.name)
+            step.frees, step.kept = step.kept, region.keep_bytes if region else 0
+            step.back = last[node.name].savings if node.name in last else 0
+        steps.append(step)
+    return backward_peak(steps)
 
 
 def _choose_auto(
     program: Program, regions: list[Region], budget: int
 ) -> tuple[list[Region], int, list[str]]:
     """The fewest regions, earliest first (their activations stay resident longest in
-    backward), whose peak of activations during backward (saved, plus the largest gradient
-    being computed) fits the budget. Whole blocks are coarse (one block of a 12-layer model is
-    ~8% of its activations): the last block is then checkpointed only in part (one of its
-    child modules) when that fits, so the peak lands closer to the budget."""
-    # Besides what is saved, backward holds a transient: the gradient of the op it is working
-    # on, at most the size of the largest output (the logits' gradient, typically).
-    transient = max(
-        (n.meta[MEMORY_KEY].out_bytes for n in program.graph_module.graph.nodes
-         if MEMORY_KEY in n.meta),
-        default=0,
-    )  # fmt: skip
+    backward), whose peak of activations during backward fits the budget. Whole blocks are
+    coarse (one block of a 12-layer model is ~8% of its activations): the last block is then
+    checkpointed only in part (one of its child modules) when that fits, so the peak lands
+    closer to the budget."""
     count = 0
-    while count < len(regions) and _peak(program, regions, regions[:count], transient) > budget:
+    while count < len(regions) and _peak(program, regions[:count]) > budget:
         count += 1
     chosen = regions[:count]
-    estimate = _peak(program, regions, chosen, transient)
+    estimate = _peak(program, chosen)
     if count:
-        chosen, estimate = _refine_last(program, regions, count, budget, transient, estimate)
+        chosen, estimate = _refine_last(program, regions, count, budget, estimate)
     notes = [] if estimate <= budget else ["budget not met even with every region checkpointed"]
     return chosen, estimate, notes
 
 
 def _refine_last(
-    program: Program,
-    regions: list[Region],
-    count: int,
-    budget: int,
-    transient: int,
-    estimate: int,
+    program: Program, regions: list[Region], count: int, budget: int, estimate: int
 ) -> tuple[list[Region], int]:
     """Try the last chosen block's child modules instead of the whole block: the single child
     that still fits the budget with the highest peak (the least recomputation) wins."""
@@ -248,8 +221,7 @@ def _refine_last(
     best = (regions[:count], estimate)
     for child in children:
         split = regions[: count - 1] + [child]
-        candidates = [r for r in regions if r is not last] + [child]
-        peak = _peak(program, candidates, split, transient)
+        peak = _peak(program, split)
         if peak <= budget and peak > best[1]:
             best = (split, peak)
     return best
@@ -293,7 +265,7 @@ class CheckpointRegions(Pass):
             decision.chosen, decision.estimate, decision.budget = chosen, estimate, budget
             decision.notes += notes
         elif decision.saved_before is not None:
-            decision.estimate = decision.saved_before - sum(r.savings for r in decision.chosen)
+            decision.estimate = _peak(program, decision.chosen)
         if not regions:
             decision.notes.append(
                 "no regions found: no repeated blocks" if patterns is None

@@ -19,7 +19,8 @@ from fxstar.dump import NOTES_KEY
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
 from fxstar.passes.checkpoint import region_calls, region_inputs
-from fxstar.passes.shape_memory import META_KEY, ShapeMemory
+from fxstar.passes.checkpoint_regions import DECISION_KEY
+from fxstar.passes.shape_memory import ShapeMemory, backward_peak, node_steps
 from fxstar.plan import mark_implemented
 from fxstar.program import ParamInfo, Program
 from fxstar.runtime.layout import ChunkLayout, ChunkSpec, ParamSlot
@@ -63,12 +64,14 @@ def budget_bytes(program: Program) -> int | None:
 
 
 def nonmodel_peak(program: Program) -> int:
-    """Activations saved for backward at the forward/backward turn, plus the largest op output
-    as room for temporaries: what the budget must hold besides chunks at its fullest."""
-    report = program.meta[META_KEY]
-    nodes = program.graph_module.graph.nodes
-    largest = max((n.meta[META_KEY].out_bytes for n in nodes if META_KEY in n.meta), default=0)
-    return report.saved_bytes + largest
+    """The peak of activations in backward (saved ones plus what each gradient allocates):
+    what the budget must hold besides chunks at its fullest. A checkpointed region's
+    recomputation is invisible in the rewritten graph; checkpoint_regions estimated it."""
+    peak = backward_peak(list(node_steps(program.graph_module.graph.nodes).values()))
+    decision = program.meta.get(DECISION_KEY)
+    if decision is not None and decision.estimate is not None:
+        peak = max(peak, decision.estimate)
+    return peak
 
 
 def params_per_node(program: Program) -> list[tuple[str, ...]]:

@@ -207,13 +207,13 @@ def rewrite(program: Program, layout: ChunkLayout) -> list[fx.Node]:
 
 def nonmodel_estimate(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """Bytes besides chunks while a node runs (and while its gradient runs): what earlier
-    nodes saved for backward, plus its own output as the temporaries' room."""
+    nodes saved for backward, plus its output or what its gradient allocates, the larger."""
     out, saved = {}, 0
     for node in nodes:
         mem = node.meta.get(META_KEY)
         if mem is not None:
             saved += mem.saved_bytes
-        out[node] = saved + (mem.out_bytes if mem is not None else 0)
+        out[node] = saved + (max(mem.out_bytes, mem.backward_bytes) if mem is not None else 0)
     return out
 
 

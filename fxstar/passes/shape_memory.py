@@ -4,11 +4,17 @@ Measured once by running the program on its example inputs node by node under
 `saved_tensors_hooks` (no backward; RNG state and buffers untouched). Saved tensors are
 counted by storage, once, at the first node that saves them; saves of parameter storage
 (`linear` saves `weight.t()`) are counted apart, since they cost no activation memory.
+
+Each node also gets `backward_bytes`: what its gradient allocates at once on top of what is
+saved — the gradient of its output, of its activation inputs, and of intermediates it saved
+inside (cross_entropy's log-softmax): the logits' backward holds two logits-sized gradients.
+The peak of a step is where the saved bytes still alive plus this are largest.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +28,16 @@ from fxstar.passes import Pass, register
 from fxstar.program import Program
 from fxstar.sizes import format_size
 
-__all__ = ["META_KEY", "MemoryReport", "NodeMemory", "ShapeMemory", "block_of"]
+__all__ = [
+    "META_KEY",
+    "BackwardStep",
+    "MemoryReport",
+    "NodeMemory",
+    "ShapeMemory",
+    "backward_peak",
+    "block_of",
+    "node_steps",
+]
 
 META_KEY = "fxstar.shape_memory"
 """node.meta key of the node's NodeMemory; Program.meta key of the MemoryReport."""
@@ -38,6 +53,8 @@ class NodeMemory:
     # tensor in the order saved: backward unpacks each when this node's gradient runs, which
     # is what chunk eviction plans for
     saved_params: tuple[str, ...] = ()
+    backward_bytes: int = 0  # allocated at once while its gradient runs (module docstring)
+    grad_bytes: int = 0  # the gradient of its outputs, held from its last user's backward on
 
 
 @dataclass
@@ -48,6 +65,7 @@ class MemoryReport:
     saved_bytes: int = 0
     saved_param_bytes: int = 0
     param_bytes: int = 0
+    largest_backward: int = 0  # the most one node's gradient allocates at once
     blocks: dict[str, NodeMemory] = field(default_factory=dict)
 
     def format(self) -> str:
@@ -63,6 +81,54 @@ class MemoryReport:
             f"backward (views, no extra memory): {format_size(self.saved_param_bytes)}"
         )
         return "\n".join(lines)
+
+
+@dataclass
+class BackwardStep:
+    """One node of the forward as backward meets it."""
+
+    kept: int  # kept from the forward until its gradient has run
+    transient: int  # what its gradient allocates at once
+    back: int = 0  # brought back before its gradient runs (the end of a checkpointed region)
+    frees: int | None = None  # freed once its gradient ran; None: what it kept
+
+    def released(self) -> int:
+        return self.kept if self.frees is None else self.frees
+
+
+def backward_peak(steps: list[BackwardStep]) -> int:
+    """The peak of activation bytes in backward: everything kept is resident at the turn; the
+    steps' gradients run in reverse, each with its transient on top of what is resident (a
+    checkpointed region's recomputation included), then free what they held."""
+    live = sum(step.kept for step in steps)
+    peak = live
+    for step in reversed(steps):
+        live += step.back
+        peak = max(peak, live + step.transient)
+        live -= step.released()
+    return peak
+
+
+def node_steps(nodes: Iterable[fx.Node]) -> dict[fx.Node, BackwardStep]:
+    """A BackwardStep for each measured node, in graph order. Its transient includes the
+    gradients waiting meanwhile: of values made before it and used after it (the residual
+    stream), whose gradient a later node's backward made and an earlier one will consume."""
+    nodes = [n for n in nodes if META_KEY in n.meta]
+    position = {n: i for i, n in enumerate(nodes)}
+    last_use = [max((position[u] for u in n.users if u in position), default=i)
+                for i, n in enumerate(nodes)]  # fmt: skip
+    done_at: dict[int, int] = {}  # position -> gradient bytes that stop waiting there
+    for i, node in enumerate(nodes):
+        if last_use[i] > i:
+            done_at[last_use[i]] = done_at.get(last_use[i], 0) + node.meta[META_KEY].grad_bytes
+    steps, waiting = {}, 0
+    for i, node in enumerate(nodes):
+        mem = node.meta[META_KEY]
+        waiting -= done_at.get(i, 0)  # its own backward makes these: in backward_bytes
+        steps[node] = BackwardStep(mem.saved_bytes, mem.backward_bytes + waiting)
+        if last_use[i] > i:
+            waiting += mem.grad_bytes
+    return steps
 
 
 def block_of(node: fx.Node) -> str:
@@ -90,20 +156,42 @@ def _bytes(value: Any) -> int:
     )
 
 
+def _grad_tensors(value: Any, params: set[int]) -> dict[int, int]:
+    """Storage -> bytes of the tensors in `value` that get a gradient, parameters aside."""
+    return {
+        t.untyped_storage().data_ptr(): t.numel() * t.element_size()
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, torch.Tensor)
+        and t.requires_grad
+        and t.untyped_storage().data_ptr() not in params
+    }
+
+
 class _Recorder(fx.Interpreter):
     """Runs node by node, attributing each saved tensor to the node being run."""
 
-    def __init__(self, gm: fx.GraphModule, saved: dict, measured: dict):
+    def __init__(self, gm: fx.GraphModule, measured: dict, params: set[int]):
         super().__init__(gm)
-        self.saved = saved
-        self.measured = measured
+        self.measured = measured  # node -> (output, backward, gradient bytes)
+        self.params = params
+        self.fresh: list[tuple[int, int]] = []  # (storage, bytes) first saved by this node
         self.current: fx.Node | None = None
 
     def run_node(self, node: fx.Node) -> Any:
         self.current = node
+        self.fresh = []
         result = super().run_node(node)
         if node.op in ("call_function", "call_method", "call_module"):
-            self.measured[node] = _bytes(result)
+            outputs = _grad_tensors(result, self.params)
+            inputs = _grad_tensors([self.env[a] for a in node.all_input_nodes], self.params)
+            inside = sum(
+                nbytes
+                for ptr, nbytes in self.fresh
+                if ptr not in inputs and ptr not in outputs and ptr not in self.params
+            )
+            backward = sum(outputs.values()) + sum(inputs.values()) + inside
+            grads = sum(outputs.values())
+            self.measured[node] = (_bytes(result), backward if outputs else 0, grads)
             if "val" not in node.meta and isinstance(result, torch.Tensor):
                 node.meta["tensor_meta"] = _extract_tensor_metadata(result)
         return result
@@ -134,7 +222,7 @@ class ShapeMemory(Pass):
         saved_params: dict[fx.Node, list[str]] = {}
         saved: dict[int, tuple[fx.Node | None, int]] = {}  # storage ptr -> (node, bytes)
         keep: list[torch.Tensor] = []  # keeps storages alive so pointers stay unique
-        measured: dict[fx.Node, int] = {}
+        measured: dict[fx.Node, tuple[int, int, int]] = {}
         recorder: _Recorder | None = None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -145,11 +233,13 @@ class ShapeMemory(Pass):
             if ptr not in saved:
                 saved[ptr] = (recorder.current if recorder else None, storage.nbytes())
                 keep.append(t)
+                if recorder is not None and t.requires_grad:  # a gradient will flow to it
+                    recorder.fresh.append((ptr, storage.nbytes()))
             return t
 
         def make(gm: fx.GraphModule) -> _Recorder:
             nonlocal recorder
-            recorder = _Recorder(gm, saved, measured)
+            recorder = _Recorder(gm, measured, param_storages)
             return recorder
 
         with contextlib.ExitStack() as stack:
@@ -165,9 +255,10 @@ class ShapeMemory(Pass):
 
         report = MemoryReport(param_bytes=program.param_bytes)
         per_node: dict[fx.Node, NodeMemory] = {}
-        for node, nbytes in measured.items():
+        for node, (nbytes, backward, grads) in measured.items():
             names = tuple(saved_params.get(node, ()))
-            per_node[node] = NodeMemory(out_bytes=nbytes, block=block_of(node), saved_params=names)
+            per_node[node] = NodeMemory(out_bytes=nbytes, block=block_of(node), saved_params=names,
+                                        backward_bytes=backward, grad_bytes=grads)  # fmt: skip
         for ptr, (node, nbytes) in saved.items():
             if node is None or node not in per_node:
                 continue
@@ -181,6 +272,7 @@ class ShapeMemory(Pass):
             notes["out"] = format_size(mem.out_bytes)
             if mem.saved_bytes:
                 notes["saved"] = format_size(mem.saved_bytes)
+            report.largest_backward = max(report.largest_backward, mem.backward_bytes)
             block = report.blocks.setdefault(mem.block, NodeMemory(block=mem.block))
             for total in (block, report):
                 total.out_bytes += mem.out_bytes

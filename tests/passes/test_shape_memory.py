@@ -43,3 +43,27 @@ def test_measuring_leaves_rng_and_model_untouched():
     PassManager(["shape_memory"]).run(program)
     assert torch.equal(state, torch.random.get_rng_state())
     assert all(p.grad is None for p in program.model.parameters())
+
+
+def test_backward_bytes_count_every_gradient_one_op_holds():
+    """cross_entropy saves its log-softmax inside: its backward holds that gradient and the
+    logits' at once; a linear's holds its output's and its input's gradient."""
+    program = _run()
+    nodes = {n.name: n.meta[META_KEY] for n in program.graph_module.graph.nodes
+             if META_KEY in n.meta}  # fmt: skip
+    logits = 2 * 16 * 64 * 4  # batch 2, sequence 16, vocabulary 64, fp32
+    assert nodes["cross_entropy_loss"].backward_bytes == 2 * logits + 4  # + the loss' own
+    linear = nodes["linear"]
+    assert linear.backward_bytes == linear.out_bytes + 2 * 16 * 32 * 4
+    assert program.meta[META_KEY].largest_backward == max(
+        m.backward_bytes for m in nodes.values()
+    )
+
+
+def test_backward_peak_walks_kept_bytes_back_with_recomputation():
+    from fxstar.passes.shape_memory import BackwardStep, backward_peak
+
+    steps = [BackwardStep(10, 5), BackwardStep(20, 1), BackwardStep(0, 30)]
+    assert backward_peak(steps) == 30 + 30  # the last node's gradient, all kept
+    region = [BackwardStep(4, 2, frees=10), BackwardStep(0, 3, back=16, frees=10)]
+    assert backward_peak([BackwardStep(1, 0), *region]) == 1 + 4 + 16 + 3
