@@ -40,7 +40,7 @@ from fxstar.verify import Verifier
 __all__ = ["Engine", "compile"]
 
 # the engine runs mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
-mark_implemented("precision", "loss_scale", "hybrid_adam")
+mark_implemented("precision", "loss_scale", "hybrid_adam", "margin_use_ratio")
 
 
 class _CaptureCheck:
@@ -226,7 +226,8 @@ class Engine(nn.Module):
                 self._optimizer = HybridAdam(
                     self.chunks, groups, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                     adamw=opt.type == "adamw", clip_grad_norm=opt.clip_grad_norm,
-                    scaler=self.scaler,
+                    scaler=self.scaler, hybrid=self.plan.hybrid_adam,
+                    margin_use_ratio=self.plan.margin_use_ratio,
                 )  # fmt: skip
             elif self.chunks is not None and self.chunks.low_precision:
                 raise PlanError(

@@ -413,8 +413,8 @@ class Plan:
     )  # fmt: skip
     hybrid_adam: bool = _option(
         True, check=_boolean, feature="HybridAdam",
-        doc="Step each chunk where it lives: C++ Adam for host chunks, torch for device ones. "
-        "False runs the whole step on the compute device.",
+        doc="Keep the chunks whose optimizer fits the compute tier's margin there for good, "
+        "updated by torch's fused Adam; the rest by the C++ CPU Adam. False: all on the host.",
     )  # fmt: skip
     checkpoint: str | tuple[str, ...] | None = _option(
         None, check=_checkpoint, feature="the activation checkpoint pass",
@@ -459,7 +459,8 @@ class Plan:
     )  # fmt: skip
     margin_use_ratio: float = _option(
         0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,
-        doc="Share of the device memory left over by activations that chunks may take.",
+        doc="Share of the compute tier a traced step left free that HybridAdam may keep "
+        "chunks and their optimizer state in (hybrid_adam).",
     )  # fmt: skip
     async_mem_monitor: bool = _option(
         False, check=_boolean, feature=_TRACER,

@@ -75,6 +75,7 @@ class Chunk:
     pins: int = 0
     loaded_versions: tuple[int, ...] = ()  # host_version and stable versions when copied
     last_access: int = -1
+    fixed: bool = False  # kept on the compute tier for good, optimizer included (fix())
 
     def move(self, new: ChunkState) -> None:
         if new not in LEGAL[self.state]:
@@ -148,6 +149,7 @@ class ChunkManager:
         self._recorded: list[tuple[int, str]] = []
         self._refined: set[int] = set()  # id() of plans already refined by a traced step
         self._step_bytes = 0
+        self.reserved: list[int] = []  # arena blocks beside the chunks (fix()), by offset
         pin = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if pin else None
         self.low_precision = layout.dtype != torch.float32
@@ -191,7 +193,7 @@ class ChunkManager:
 
     def _sync_host(self, chunk: Chunk, stable: dict[str, nn.Parameter] | None = None) -> None:
         """Round the fp32 masters into the chunk's low-precision host copy."""
-        if chunk.master is None:
+        if chunk.master is None or chunk.fixed:  # a fixed chunk's copy is on the compute tier
             return
         stable = self.stable if stable is None else stable
         chunk.host[: chunk.used].copy_(chunk.master[: chunk.used])
@@ -327,7 +329,9 @@ class ChunkManager:
         t = self._advance(chunk_id)
         self._recorded.append((chunk_id, phase))
         chunk = self.chunks[chunk_id]
-        if chunk.resident and chunk.pins == 0 and self._stale(chunk):
+        if chunk.fixed and self._stale(chunk):
+            self._round_master(chunk)  # someone changed the masters on the compute tier
+        elif chunk.resident and chunk.pins == 0 and self._stale(chunk):
             self._evict(chunk, count=False)  # the host copy changed (an optimizer step)
         if chunk.state is S.HOLD:
             self.stats.prefetch_hits += 1
@@ -335,7 +339,8 @@ class ChunkManager:
         if chunk.state is not S.COMPUTE:
             chunk.move(S.COMPUTE)
         chunk.last_access = t
-        self.tracer.record(t, phase, chunk_id, self.resident_bytes(), self.share(t))
+        pinned = sum(self.layout.chunk_bytes for c in self.chunks if c.pins or c is chunk)
+        self.tracer.record(t, phase, chunk_id, self.resident_bytes(), self.share(t), pinned)
         if self.checking:
             self._check(t)
         if self.prefetch:
@@ -431,7 +436,7 @@ class ChunkManager:
             return self.static_share
         plan = self._plan
         nonmodel = plan.nonmodel_bytes[t] if plan is not None and t < len(plan) else 0
-        return min(self.arena.capacity, self.budget - nonmodel)
+        return min(self.arena.capacity, self.budget - nonmodel) - self.reserved_bytes()
 
     def resident_bytes(self) -> int:
         return sum(self.layout.chunk_bytes for c in self.chunks if c.resident)
@@ -469,7 +474,7 @@ class ChunkManager:
         best, best_key = None, None
         n = len(self._plan) if self._plan is not None else 0
         for chunk in self.chunks:
-            if not chunk.resident or chunk.pins or chunk is keep:
+            if not chunk.resident or chunk.pins or chunk.fixed or chunk is keep:
                 continue
             positions = self._positions.get(chunk.id, [])
             i = bisect.bisect_right(positions, t)
@@ -552,8 +557,10 @@ class ChunkManager:
         """The compute tier never holds more than its share: by the arena, and by a sum over
         the chunks resident on it."""
         resident = self.resident_bytes()
-        in_arena = self.arena.stats()["in_use"] - len(self._cache) * self.arena.allocator.round_up(
-            self.layout.chunk_bytes
+        in_arena = (
+            self.arena.stats()["in_use"]
+            - len(self._cache) * self.arena.allocator.round_up(self.layout.chunk_bytes)
+            - sum(self.arena.allocator.block_size(offset) for offset in self.reserved)
         )
         if in_arena != sum(
             self.arena.allocator.block_size(c.offset) for c in self.chunks if c.resident
@@ -572,6 +579,95 @@ class ChunkManager:
             f"of device_memory {self.budget:,} bytes. Use a smaller chunk_size, checkpointing, "
             "or a larger device_memory."
         )
+
+    # -- the optimizer's room on the compute tier (HybridAdam's device half) --------------------
+
+    def margin(self, ratio: float) -> int:
+        """What the compute tier can spare for good, from the last traced training step: the
+        budget less the chunks in use and the activations at its fullest moment, times `ratio`
+        (PatrickStar's margin_use_ratio). 0 before a training step ran, or with a static
+        partition (nothing was traced to plan from)."""
+        moments = self.tracer.training_step()
+        if self.static_share is not None or not any(m.phase == "backward" for m in moments):
+            return 0
+        by_budget = self.budget - max(m.pinned_bytes + m.nonmodel_bytes for m in moments)
+        by_arena = self.arena.capacity - max(m.pinned_bytes for m in moments)
+        return max(int(ratio * min(by_budget, by_arena)) - self.reserved_bytes(), 0)
+
+    def reserved_bytes(self) -> int:
+        return sum(self.arena.allocator.block_size(offset) for offset in self.reserved)
+
+    def reserve(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """`nbytes` of the compute tier for good, out of the chunks' share (zeroed)."""
+        self._drop_unused()
+        offset = self.arena.alloc(nbytes)  # ArenaOutOfMemory when fragmented: the caller stops
+        self.reserved.append(offset)
+        block = self.arena.buffer[offset : offset + nbytes]
+        block.zero_()
+        return block.view(dtype)
+
+    def _drop_unused(self) -> None:
+        """Evict every chunk not in use and empty the block cache: room to reserve from."""
+        for chunk in self.chunks:
+            if (
+                chunk.resident
+                and not chunk.pins
+                and not chunk.fixed
+                and chunk.state is not S.COMPUTE
+            ):
+                self._evict(chunk, count=False)
+        while self._cache:
+            self.arena.free(self._cache.pop())
+
+    def fix(self, chunk_id: int) -> None:
+        """Keep a chunk on the compute tier for good, with its gradient buffer and (bf16/fp16)
+        its fp32 master there too: its optimizer step runs there and nothing of it crosses
+        tiers again. The stable parameters become views of the compute-tier copy."""
+        chunk = self.chunks[chunk_id]
+        if chunk.fixed:
+            return
+        n = self.layout.chunk_size
+        grad = None
+        if chunk.host_grad is not None:
+            grad = self.reserve(self.layout.chunk_bytes, self.layout.dtype)
+        master = self.reserve(n * 4, torch.float32) if chunk.master is not None else None
+        if not chunk.resident:
+            self._drop_unused()
+            offset = self._take_block()
+            if offset is None:
+                raise ArenaOutOfMemory("no arena block left for a chunk to keep")
+            self._load(chunk, offset, S.HOLD)
+        used = slice(0, chunk.used)
+        if grad is not None:
+            grad[used].copy_(chunk.host_grad[used])
+            chunk.host_grad = grad
+        home = self.chunk_view(chunk)
+        if master is not None:
+            master[used].copy_(chunk.master[used])
+            chunk.master = home = master
+        else:  # the host home is the latest (a resident copy may predate an optimizer step)
+            home[used].copy_(chunk.host[used])
+        for slot in chunk.slots:
+            stable = self.stable[slot.name]
+            stable.data = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if stable.grad is not None:
+                stable.grad = self.grad_view(slot)
+        chunk.fixed = True
+        self._round_master(chunk)
+
+    def chunk_view(self, chunk: Chunk) -> torch.Tensor:
+        """A resident chunk's compute-tier copy, all its elements."""
+        return self._view(chunk, 0, (self.layout.chunk_size,))
+
+    def compute_updated(self, chunk_id: int) -> None:
+        """The optimizer wrote a fixed chunk's compute copy (and master) itself."""
+        chunk = self.chunks[chunk_id]
+        chunk.loaded_versions = self._versions(chunk)
+
+    def _round_master(self, chunk: Chunk) -> None:
+        if chunk.master is not None:
+            self._view(chunk, 0, (chunk.used,)).copy_(chunk.master[: chunk.used])
+        chunk.loaded_versions = self._versions(chunk)
 
     # -- what users see -------------------------------------------------------------------------
 
@@ -594,6 +690,12 @@ class ChunkManager:
             f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
             f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
         ]
+        fixed = [c.id for c in self.chunks if c.fixed]
+        if fixed:
+            lines.append(
+                f"kept on the compute tier with their optimizer state: {len(fixed)} chunks "
+                f"({self.reserved_bytes():,} bytes beside their payloads)"
+            )
         if self.monitor is not None:
             lines.append(
                 f"memory monitor: {len(self.monitor.samples):,} samples, peak "

@@ -8,8 +8,15 @@ overflow skips the whole step with nothing written; then it updates chunk by chu
 unscale and clip factor fused into the kernel, writing the low-precision copy the compute tier
 fetches in the same pass.
 
+The device half (`hybrid=True`): after the first training step, the chunks whose optimizer
+fits the compute tier's margin (what the traced step left free at its fullest moment, times
+`margin_use_ratio`) are kept there for good (`ChunkManager.fix`), with their gradient buffer,
+moments and fp32 master beside them, and updated there by torch's fused Adam: they never cross
+tiers again. The rest stay on the host. `hybrid=False` keeps everything on the host.
+
 It subclasses torch.optim.Optimizer, so `torch.optim.lr_scheduler` drives its param groups'
-`lr`; the tensors in its groups are the engine's stable parameters and never move.
+`lr`; the tensors in its groups are the engine's stable parameters (their payload moves to
+the compute tier when their chunk is kept there; the objects stay).
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ class HybridAdam(torch.optim.Optimizer):
         adamw: bool = True,
         clip_grad_norm: float | None = None,
         scaler: LossScaler | None = None,
+        hybrid: bool = True,
+        margin_use_ratio: float = 0.8,
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.manager = manager
@@ -52,6 +61,10 @@ class HybridAdam(torch.optim.Optimizer):
         self.scaler = scaler
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.hybrid = hybrid
+        self.margin_use_ratio = margin_use_ratio
+        self._placed = False  # the device half is chosen after the first training step
+        self.device_chunks: list[int] = []
         lay = manager.layout
         trainable = [c for c in manager.chunks if c.host_grad is not None]
         n = lay.chunk_size
@@ -132,6 +145,27 @@ class HybridAdam(torch.optim.Optimizer):
     def _in_buffer(self, grad: torch.Tensor) -> bool:
         return any(grad is c.host_grad for c in self.manager.chunks)
 
+    @staticmethod
+    def _grad_stats(grads: list[torch.Tensor]) -> tuple[float, bool]:
+        """Sum of squares and finiteness over every gradient: the C++ pass for host tensors,
+        torch for those on an accelerator (one synchronisation for all of them)."""
+        sum_sq, finite = 0.0, True
+        on_device = []
+        for grad in grads:
+            if grad.device.type == "cpu":
+                stats = cpu_adam.grad_stats(grad)
+                sum_sq += stats.sum_sq
+                finite = finite and stats.finite
+            else:
+                on_device.append(grad)
+        if on_device:
+            total = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+                                 for g in on_device]).sum()  # fmt: skip
+            value = float(total)
+            sum_sq += value
+            finite = finite and math.isfinite(value)
+        return sum_sq, finite
+
     @torch.no_grad()
     def step(self, closure=None) -> bool:
         """One update of every parameter that has a gradient; False when an overflow skipped
@@ -145,11 +179,7 @@ class HybridAdam(torch.optim.Optimizer):
             flat[span] if span is not None and self._in_buffer(flat) else flat
             for _, _, span, flat in runs
         ]
-        sum_sq, finite = 0.0, True
-        for grad in grads:
-            stats = cpu_adam.grad_stats(grad)
-            sum_sq += stats.sum_sq
-            finite = finite and stats.finite
+        sum_sq, finite = self._grad_stats(grads)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None:
             self.scaler.update(overflow=not finite)
@@ -182,20 +212,95 @@ class HybridAdam(torch.optim.Optimizer):
             offset = span.start - slot.offset  # where the run starts within the moments
             moments = first["exp_avg"].view(-1), first["exp_avg_sq"].view(-1)
             n = span.stop - span.start
+            exp_avg, exp_avg_sq = _extend(moments[0], offset, n), _extend(moments[1], offset, n)
+            if chunk.fixed:
+                self._device_step(chunk, span, grad, exp_avg, exp_avg_sq, first["step"], group,
+                                  grad_scale)  # fmt: skip
+                touched.add(slot.chunk)
+                continue
             cpu_adam.adam_step(
-                home[span], grad.reshape(-1),
-                _extend(moments[0], offset, n), _extend(moments[1], offset, n),
-                step=step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
+                home[span], grad.reshape(-1), exp_avg, exp_avg_sq, step=step, lr=group["lr"],
+                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                adamw=self.adamw, grad_scale=grad_scale,
                 out=chunk.host[span] if chunk.master is not None else None,
             )  # fmt: skip
             touched.add(slot.chunk)
         for chunk_id in touched:
-            self.manager.host_updated(chunk_id)
+            if self.manager.chunks[chunk_id].fixed:
+                self.manager.compute_updated(chunk_id)
+            else:
+                self.manager.host_updated(chunk_id)
+        if self.hybrid and not self._placed:
+            self._place()
         return True
+
+    def _device_step(self, chunk, span: slice, grad, exp_avg, exp_avg_sq, step, group,
+                     grad_scale: float) -> None:  # fmt: skip
+        """A run of a chunk kept on the compute tier: torch's fused Adam where it lives, the
+        low-precision compute copy rounded from the fp32 master after."""
+        manager = self.manager
+        param = chunk.master[span] if chunk.master is not None else manager.chunk_view(chunk)[span]
+        grad = grad.reshape(-1)
+        if grad.dtype != torch.float32 or grad_scale != 1.0:  # the kernel wants fp32, unscaled
+            grad = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
+        fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step.to(param.device)],
+              lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+              eps=group["eps"], amsgrad=False, maximize=False)  # fmt: skip
+        if chunk.master is not None:
+            manager.chunk_view(chunk)[span].copy_(param)
+
+    def _place(self) -> None:
+        """Choose the device half once a training step was traced: the chunks used most often
+        per step first (each kept one saves its loads), as many as the margin holds."""
+        manager = self.manager
+        moments = manager.tracer.training_step()
+        if not moments:
+            return
+        lay = manager.layout
+        # the payload, its gradient, two moments and (bf16/fp16) an fp32 master, for good
+        per_chunk = 2 * lay.chunk_bytes + lay.chunk_size * 4 * (2 + manager.low_precision)
+        uses: dict[int, int] = {}
+        for moment in moments:
+            uses[moment.chunk] = uses.get(moment.chunk, 0) + 1
+        trainable = [c.id for c in manager.chunks if c.host_grad is not None]
+        ranked = sorted(trainable, key=lambda c: (-uses.get(c, 0), c))
+        self._keep(ranked[: manager.margin(self.margin_use_ratio) // per_chunk])
+
+    def _keep(self, chunk_ids: list[int]) -> None:
+        """Keep these chunks on the compute tier with their moments beside them."""
+        self._placed = True
+        manager, n = self.manager, self.manager.layout.chunk_size
+        for chunk_id in chunk_ids:
+            try:
+                moments = manager.reserve(2 * n * 4, torch.float32)
+                manager.fix(chunk_id)
+            except MemoryError:  # the arena is fragmented: keep the rest on the host
+                break
+            for slot in manager.chunks[chunk_id].slots:
+                state = self.state.get(manager.stable[slot.name])
+                if state is None:
+                    continue
+                part = slice(slot.offset, slot.offset + slot.numel)
+                for key, moment in (("exp_avg", moments[:n]), ("exp_avg_sq", moments[n:])):
+                    moment[part].copy_(state[key].reshape(-1))
+                    state[key] = moment[part].view(slot.shape)
+            self.device_chunks.append(chunk_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's, plus which chunks are kept on the compute tier: a resumed run updates
+        each chunk with the same kernel as the run it continues (bitwise resumption)."""
+        state = super().state_dict()
+        state["fxstar_device_chunks"] = list(self.device_chunks) if self._placed else None
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's loading replaces state tensors; copy the values into the chunks instead."""
+        state_dict = dict(state_dict)
+        device_chunks = state_dict.pop("fxstar_device_chunks", None)
+        if self.hybrid and device_chunks is not None and not self._placed:
+            self._keep(device_chunks)
         views = {id(p): dict(s) for p, s in self.state.items()}
         super().load_state_dict(state_dict)
         for param in list(self.state):

@@ -23,6 +23,7 @@ class Moment:
     chunk_bytes: int  # resident on the compute tier after the access
     share: int  # what chunks were allowed at this moment
     nonmodel_bytes: int  # saved for backward, alive at this moment
+    pinned_bytes: int = 0  # chunks in use at this moment: what could not have been evicted
 
 
 class _Saved:
@@ -83,8 +84,12 @@ class MemoryTracer:
                 del self._live[key]
                 self.live_bytes -= entry[0]
 
-    def record(self, access: int, phase: str, chunk: int, chunk_bytes: int, share: int) -> None:
-        self.moments.append(Moment(access, phase, chunk, chunk_bytes, share, self.live_bytes))
+    def record(
+        self, access: int, phase: str, chunk: int, chunk_bytes: int, share: int, pinned: int = 0
+    ) -> None:
+        self.moments.append(
+            Moment(access, phase, chunk, chunk_bytes, share, self.live_bytes, pinned)
+        )
 
     def nonmodel_by_access(self) -> list[int]:
         return [m.nonmodel_bytes for m in self.moments]

@@ -55,9 +55,7 @@ def test_backward_bytes_count_every_gradient_one_op_holds():
     assert nodes["cross_entropy_loss"].backward_bytes == 2 * logits + 4  # + the loss' own
     linear = nodes["linear"]
     assert linear.backward_bytes == linear.out_bytes + 2 * 16 * 32 * 4
-    assert program.meta[META_KEY].largest_backward == max(
-        m.backward_bytes for m in nodes.values()
-    )
+    assert program.meta[META_KEY].largest_backward == max(m.backward_bytes for m in nodes.values())
 
 
 def test_backward_peak_walks_kept_bytes_back_with_recomputation():

@@ -33,6 +33,20 @@ def tight(kind) -> int:
     return activation_budget(FACTORIES[kind], 0.4, **example(kind, *tokens()))
 
 
+def roomy(kind) -> int:
+    """A budget whose margin holds some chunks' optimizer state, not all of it."""
+    return activation_budget(FACTORIES[kind], 2.0, **example(kind, *tokens()))
+
+
+def assert_split_between_tiers(engine) -> None:
+    """HybridAdam kept some chunks on the compute tier, and left some on the host."""
+    kept = engine.optimizer.device_chunks
+    trainable = [c for c in engine.chunks.chunks if c.host_grad is not None]
+    assert 0 < len(kept) < len(trainable), (kept, len(trainable))
+    assert all(engine.chunks.chunks[i].fixed for i in kept)
+    assert "kept on the compute tier with their optimizer state" in engine.report()
+
+
 def reference_optimizer(model, plan):
     decay = [p for n, p in model.named_parameters() if plan.optimizer.decays(n)]
     rest = [p for n, p in model.named_parameters() if not plan.optimizer.decays(n)]
@@ -51,9 +65,11 @@ def assert_params_match(eager, engine):
 @pytest.mark.parametrize("kind", FACTORIES)
 def test_fp32_twenty_steps_match_torch_adamw(kind, hybrid):
     eager, model = FACTORIES[kind](), FACTORIES[kind]()
-    plan = Plan(device_memory=tight(kind), optimizer=OPT, hybrid_adam=hybrid)
+    budget = roomy(kind) if hybrid else tight(kind)
+    plan = Plan(device_memory=budget, optimizer=OPT, hybrid_adam=hybrid)
     engine = compile(model, plan, **example(kind, *tokens()))
     assert isinstance(engine.optimizer, HybridAdam)
+    engine.chunks.checking = True  # every access: resident chunks within their share
     reference = reference_optimizer(eager, plan)
     for step in range(20):
         ids, targets = tokens(seed=step)
@@ -65,11 +81,18 @@ def test_fp32_twenty_steps_match_torch_adamw(kind, hybrid):
         call(kind, engine, ids, targets).backward()
         assert engine.step()
     assert_params_match(eager, engine)
+    if hybrid:
+        assert_split_between_tiers(engine)
+    else:
+        assert engine.optimizer.device_chunks == []
+    eager.load_state_dict(engine.state_dict())  # the kept chunks' values included
+    assert_params_match(eager, engine)
 
 
-def test_clipping_matches_clip_grad_norm():
+@pytest.mark.parametrize("budget", [tight, roomy], ids=["host", "hybrid"])
+def test_clipping_matches_clip_grad_norm(budget):
     eager, model = gpt_without_biases(), gpt_without_biases()
-    plan = Plan(device_memory=tight("gpt"), optimizer={**OPT, "clip_grad_norm": 0.05})
+    plan = Plan(device_memory=budget("gpt"), optimizer={**OPT, "clip_grad_norm": 0.05})
     engine = compile(model, plan, **example("gpt", *tokens()))
     reference = reference_optimizer(eager, plan)
     for step in range(5):
@@ -122,6 +145,35 @@ def demo_loss(precision: str) -> float:
                          log_every=0)  # fmt: skip
     result = train(config, Plan(precision=precision, optimizer={"lr": 3e-3}), progress=False)
     return sum(result.losses[-10:]) / 10
+
+
+def test_bf16_chunks_kept_on_the_compute_tier_train_like_the_host_ones():
+    """The device half under bf16: fp32 masters and moments beside the kept chunks, the bf16
+    compute copy rounded from them; the same run with everything on the host agrees."""
+    budget = activation_budget(gpt_without_biases, 2.0, **example("gpt", *tokens()))
+    runs = {}
+    for hybrid in (True, False):
+        plan = Plan(precision="bf16", device_memory=budget, optimizer=OPT, hybrid_adam=hybrid)
+        engine = compile(gpt_without_biases(), plan, **example("gpt", *tokens()))
+        engine.chunks.checking = True
+        losses = []
+        for step in range(8):
+            ids, targets = tokens(seed=step)
+            torch.manual_seed(step)
+            loss = engine(ids, targets)
+            loss.backward()
+            engine.step()
+            losses.append(float(loss.detach()))
+        runs[hybrid] = engine, losses
+    engine, losses = runs[True]
+    assert_split_between_tiers(engine)
+    assert losses == pytest.approx(runs[False][1], rel=1e-3)
+    for p, q in zip(engine.parameters(), runs[False][0].parameters(), strict=True):
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+    kept = engine.chunks.chunks[engine.optimizer.device_chunks[0]]
+    compute_copy = engine.chunks.chunk_view(kept)[: kept.used]
+    assert torch.equal(compute_copy, kept.master[: kept.used].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
