@@ -329,8 +329,9 @@ class ChunkManager:
         t = self._advance(chunk_id)
         self._recorded.append((chunk_id, phase))
         chunk = self.chunks[chunk_id]
-        if chunk.fixed and self._stale(chunk):
-            self._round_master(chunk)  # someone changed the masters on the compute tier
+        if chunk.fixed:  # fp32: the stable parameters are its payload, never stale
+            if chunk.master is not None and self._stale(chunk):
+                self._round_master(chunk)  # someone changed the masters on the compute tier
         elif chunk.resident and chunk.pins == 0 and self._stale(chunk):
             self._evict(chunk, count=False)  # the host copy changed (an optimizer step)
         if chunk.state is S.HOLD:

@@ -53,16 +53,23 @@ class HybridAdam(torch.optim.Optimizer):
         scaler: LossScaler | None = None,
         hybrid: bool = True,
         margin_use_ratio: float = 0.8,
+        device_kernel: str = "auto",
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.manager = manager
         self.adamw = adamw
         self.clip_grad_norm = clip_grad_norm
         self.scaler = scaler
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None  # computed when clipping, fp16, or tracked
+        self.track_grad_norm = False  # compute the norm each step even when nothing needs it
         self.skipped_steps = 0
         self.hybrid = hybrid
         self.margin_use_ratio = margin_use_ratio
+        if device_kernel not in ("auto", "torch", "cpu"):
+            raise ValueError(f"device_kernel: 'auto', 'torch' or 'cpu', not {device_kernel!r}")
+        if device_kernel == "auto":  # a CPU compute tier is best served by the C++ kernel
+            device_kernel = "cpu" if manager.device.type == "cpu" else "torch"
+        self.device_kernel = device_kernel
         self._placed = False  # the device half is chosen after the first training step
         self.device_chunks: list[int] = []
         lay = manager.layout
@@ -179,17 +186,21 @@ class HybridAdam(torch.optim.Optimizer):
             flat[span] if span is not None and self._in_buffer(flat) else flat
             for _, _, span, flat in runs
         ]
-        sum_sq, finite = self._grad_stats(grads)
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.scaler is not None:
-            self.scaler.update(overflow=not finite)
-        if not finite:
-            self.skipped_steps += 1
-            return False
-        grad_scale = 1.0 / scale
-        self.last_grad_norm = math.sqrt(sum_sq) / scale
-        if self.clip_grad_norm is not None:
-            grad_scale *= min(1.0, self.clip_grad_norm / (self.last_grad_norm + 1e-6))
+        grad_scale = 1.0
+        if self.scaler is not None or self.clip_grad_norm is not None or self.track_grad_norm:
+            # the global decision; without clipping or fp16 nothing needs it (torch's fused
+            # AdamW does not read the gradients twice either)
+            sum_sq, finite = self._grad_stats(grads)
+            scale = self.scaler.scale if self.scaler is not None else 1.0
+            if self.scaler is not None:
+                self.scaler.update(overflow=not finite)
+            if not finite:
+                self.skipped_steps += 1
+                return False
+            grad_scale = 1.0 / scale
+            self.last_grad_norm = math.sqrt(sum_sq) / scale
+            if self.clip_grad_norm is not None:
+                grad_scale *= min(1.0, self.clip_grad_norm / (self.last_grad_norm + 1e-6))
         touched = set()
         for (params, group, span, _), grad in zip(runs, grads, strict=True):
             if span is None:  # a parameter outside the chunks
@@ -237,10 +248,19 @@ class HybridAdam(torch.optim.Optimizer):
     def _device_step(self, chunk, span: slice, grad, exp_avg, exp_avg_sq, step, group,
                      grad_scale: float) -> None:  # fmt: skip
         """A run of a chunk kept on the compute tier: torch's fused Adam where it lives, the
-        low-precision compute copy rounded from the fp32 master after."""
+        low-precision compute copy rounded from the fp32 master after (when that tier is the
+        CPU, the C++ kernel: same arithmetic, one pass, the copy written in it)."""
         manager = self.manager
         param = chunk.master[span] if chunk.master is not None else manager.chunk_view(chunk)[span]
         grad = grad.reshape(-1)
+        if self.device_kernel == "cpu":
+            cpu_adam.adam_step(
+                param, grad, exp_avg, exp_avg_sq, step=int(step), lr=group["lr"],
+                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                adamw=self.adamw, grad_scale=grad_scale,
+                out=manager.chunk_view(chunk)[span] if chunk.master is not None else None,
+            )  # fmt: skip
+            return
         if grad.dtype != torch.float32 or grad_scale != 1.0:  # the kernel wants fp32, unscaled
             grad = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
         fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
