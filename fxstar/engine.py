@@ -191,6 +191,7 @@ class Engine(nn.Module):
             layout, tensors, masters=masters, budget=budget, arena_capacity=capacity,
             device=device, static_share=static, mem_cache=plan.mem_cache,
             monitor=plan.async_mem_monitor,
+            overlap_grad_copies={"on": True, "off": False}.get(plan.overlap_grad_copies),
         )  # fmt: skip
 
     def _run_for_verify(self, program: Program, args: tuple, kwargs: dict, tensors: dict) -> Any:

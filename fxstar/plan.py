@@ -470,6 +470,11 @@ class Plan:
         2, check=_integer(0), feature="the chunk manager's memory cache",
         doc="Freed chunk buffers kept for reuse (capacity); 0 = off.",
     )  # fmt: skip
+    overlap_grad_copies: str = _option(
+        "auto", check=_choice("auto", "on", "off"), feature="the chunk manager's gradient copies",
+        doc="Copy gradients to their chunk buffers beside backward (a copy stream; on a "
+        "CPU-only machine a worker thread); 'auto' = on with an accelerator.",
+    )  # fmt: skip
     mem_saving_comm: bool = _option(
         False, check=_boolean, feature=_DIST,
         doc="Gather remote chunks one at a time to save memory at the cost of bandwidth.",

@@ -27,12 +27,12 @@ from fxstar.runtime.layout import ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.sizes import format_size
 
 mark_implemented("device_memory", "chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio",
-                 "mem_cache", "async_mem_monitor")  # fmt: skip
+                 "mem_cache", "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
 
 LAYOUT_KEY = "chunk_layout"  # Program.shared and Program.meta key
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
-                 "async_mem_monitor")  # fmt: skip
+                 "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
 SEARCH_STEPS = 256  # candidate chunk sizes tried by the auto search
 
 

@@ -18,6 +18,7 @@ parameters users and optimizers see (`engine.parameters()`) are views of the hos
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import contextlib
 import enum
 import time
@@ -99,6 +100,8 @@ class ChunkStats:
     cache_hits: int = 0
     unexpected_accesses: int = 0
     copy_seconds: float = 0.0
+    grad_copy_seconds: float = 0.0  # gradient copies to their buffers, however they ran
+    grad_wait_seconds: float = 0.0  # of that, what backward's end still had to wait for
     steps: int = 0
     per_step_bytes: list[int] = field(default_factory=list)
 
@@ -127,6 +130,7 @@ class ChunkManager:
         mem_cache: int = 2,
         prefetch: bool | None = None,
         monitor: bool = False,
+        overlap_grad_copies: bool | None = None,
     ):
         self.layout = layout
         self.device = torch.device(device)
@@ -152,6 +156,13 @@ class ChunkManager:
         self.reserved: list[int] = []  # arena blocks beside the chunks (fix()), by offset
         pin = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if pin else None
+        # Gradient copies run beside backward: on the copy stream on CUDA; on a CPU-only
+        # machine (where the copy is a memcpy into the host buffer) on a worker thread, off by
+        # default there since both cores are computing. Backward's end waits for them.
+        self.overlap_grad_copies = pin if overlap_grad_copies is None else overlap_grad_copies
+        self._pending: list[object] = []  # CUDA events or futures of copies in flight
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._wait_queued = False
         self.low_precision = layout.dtype != torch.float32
         self.grad_present: set[str] = set()  # slots given a gradient since the last zero_grad
         self.chunks, self.stable = self._make_homes(params, masters or params, pin)
@@ -206,6 +217,7 @@ class ChunkManager:
         self.chunks[chunk_id].host_version += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._wait_grad_copies()  # a copy in flight would land after the zeroing
         self.grad_present.clear()
         for p in self.stable.values():
             if p.grad is not None:
@@ -249,6 +261,7 @@ class ChunkManager:
             ops.ACTIVE.reset(token)
 
     def _begin(self, plan: AccessPlan) -> None:
+        self._wait_grad_copies()  # a backward that raised left its copies behind
         if self._recorded and self._plan is not None:
             self._refine(self._plan)
         self._unpin_node()
@@ -414,20 +427,83 @@ class ChunkManager:
         def hook(leaf: torch.Tensor) -> None:
             grad, leaf.grad = leaf.grad, None
             if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
-                buffer = self.grad_view(slot)
                 if slot.name in self.grad_present:
+                    self._wait_grad_copies()
+                    buffer = self.grad_view(slot)
                     buffer.add_(grad.to(buffer.device))
                 else:
-                    self._copy(buffer, grad, to_host=True)
+                    self._copy_grad(self.grad_view(slot), grad)
                     self.grad_present.add(slot.name)
             elif stable.grad is None:
                 buffer = self.grad_view(slot)
-                self._copy(buffer, grad, to_host=True)  # a copy: bitwise what eager stores
+                self._copy_grad(buffer, grad)  # a copy: bitwise what eager stores
                 stable.grad = buffer
             else:
+                self._wait_grad_copies()
                 stable.grad.add_(grad.to(stable.grad.device))
 
         return hook
+
+    def _copy_grad(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A gradient into its buffer: at once, or beside the rest of backward (overlap)."""
+        if not self.overlap_grad_copies or dst.device == src.device != torch.device("cpu"):
+            start = time.perf_counter()
+            self._copy(dst, src, to_host=True)
+            self.stats.grad_copy_seconds += time.perf_counter() - start
+            return
+        if not self._wait_queued:  # backward's end waits for every copy in flight
+            torch.autograd.Variable._execution_engine.queue_callback(self._wait_grad_copies)
+            self._wait_queued = True
+        if self.copy_stream is not None:
+            self._pending.append(self._copy_on_stream(dst, src))
+            if dst.device != src.device:
+                self.stats.bytes_to_host += src.numel() * src.element_size()
+            return
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(1, "fxstar-grad-copies")
+        self._pending.append(self._copier.submit(self._timed_copy, dst, src))
+
+    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        start = time.perf_counter()
+        dst.copy_(src)
+        self.stats.grad_copy_seconds += time.perf_counter() - start
+
+    def _copy_on_stream(self, dst: torch.Tensor, src: torch.Tensor):
+        """Queue a copy on the copy stream after what the compute stream has queued (which
+        produced `src`); `src` stays allocated until the copy ran."""
+        stream = self.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        src.record_stream(stream)
+        return start, end
+
+    def _wait_grad_copies(self) -> None:
+        """Block until every gradient copy in flight is done; time what was not hidden."""
+        self._wait_queued = False
+        if not self._pending:
+            return
+        start = time.perf_counter()
+        for item in self._pending:
+            if isinstance(item, concurrent.futures.Future):
+                item.result()
+            else:
+                item[1].synchronize()
+                self.stats.grad_copy_seconds += item[0].elapsed_time(item[1]) / 1e3
+        if self.copy_stream is not None:  # later kernels may read what arrived
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self._pending.clear()
+        self.stats.grad_wait_seconds += time.perf_counter() - start
+
+    def grad_copy_overlap(self) -> float | None:
+        """The share of gradient copy time hidden behind backward, None before any copy."""
+        st = self.stats
+        if not self.overlap_grad_copies or st.grad_copy_seconds == 0:
+            return None
+        return max(0.0, 1.0 - st.grad_wait_seconds / st.grad_copy_seconds)
 
     # -- residency ------------------------------------------------------------------------------
 
@@ -513,6 +589,8 @@ class ChunkManager:
         start = time.perf_counter()
         nbytes = src.numel() * src.element_size()
         if self.copy_stream is not None and dst.device != src.device:
+            # after what the compute stream queued: it produced `src` or still reads `dst`
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -691,6 +769,12 @@ class ChunkManager:
             f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
             f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
         ]
+        overlap = self.grad_copy_overlap()
+        if overlap is not None:
+            lines.append(
+                f"gradient copies: {st.grad_copy_seconds:.3f}s, {overlap:.0%} hidden behind "
+                f"backward ({st.grad_wait_seconds:.3f}s waited at its end)"
+            )
         fixed = [c.id for c in self.chunks if c.fixed]
         if fixed:
             lines.append(

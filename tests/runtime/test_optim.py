@@ -116,9 +116,13 @@ def test_clipping_matches_clip_grad_norm(budget):
     assert_params_match(eager, engine)
 
 
-def test_accumulation_over_four_micro_batches():
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_accumulation_over_four_micro_batches(overlap):
+    """Also with gradient copies beside backward (a worker thread here): the second
+    micro-batch's gradients wait for the first's copies before adding to them."""
     eager, model = gpt_without_biases(), gpt_without_biases()
-    plan = Plan(device_memory=tight("gpt"), optimizer={**OPT, "accumulation_steps": 4})
+    plan = Plan(device_memory=tight("gpt"), optimizer={**OPT, "accumulation_steps": 4},
+                overlap_grad_copies=overlap)  # fmt: skip
     engine = compile(model, plan, **example("gpt", *tokens()))
     reference = reference_optimizer(eager, plan)
     for step in range(2):
@@ -132,6 +136,12 @@ def test_accumulation_over_four_micro_batches():
         reference.step()
         reference.zero_grad()
     assert_params_match(eager, engine)
+    overlap_share = engine.chunks.grad_copy_overlap()
+    if overlap == "on":
+        assert 0.0 <= overlap_share <= 1.0 and engine.chunks.stats.grad_copy_seconds > 0
+        assert "gradient copies:" in engine.report() and "hidden behind backward" in engine.report()
+    else:
+        assert overlap_share is None
 
 
 def test_lr_scheduler_drives_the_groups():
@@ -225,3 +235,25 @@ def test_dynamic_loss_scaler():
     fixed = LossScaler(scale=4.0, dynamic=False)
     fixed.update(overflow=True)
     assert fixed.scale == 4.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gradient_copies_beside_backward_change_nothing(precision):
+    """overlap_grad_copies only moves when the copies run: the same run bitwise."""
+    results = []
+    for overlap in ("off", "on"):
+        plan = Plan(precision=precision, device_memory=tight("gpt"), optimizer=OPT,
+                    overlap_grad_copies=overlap, checkpoint="blocks")  # fmt: skip
+        engine = compile(gpt_without_biases(), plan, **example("gpt", *tokens()))
+        losses = []
+        for step in range(4):
+            ids, targets = tokens(seed=step)
+            torch.manual_seed(step)
+            loss = engine(ids, targets)
+            loss.backward()
+            engine.step()
+            losses.append(loss.detach())
+        results.append((losses, [p.detach().clone() for p in engine.parameters()]))
+    (losses, params), (other_losses, other_params) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses, other_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, other_params, strict=True))
