@@ -163,6 +163,10 @@ class Engine(nn.Module):
         self.chunks = self._chunk_manager(program, self.store.tensors(), masters)
         slots = self.chunks.layout.slots()
         own = dict(self.model.named_parameters(remove_duplicate=False))
+        if self.chunks.low_precision:  # parameters kept on the host: their fp32 masters
+            for info in program.params:
+                if info.host_resident and info.name in own:
+                    self.store.rebind(info.name, own[info.name])
         for name, stable in self.chunks.stable.items():
             self.store.rebind(name, stable)
             for alias in slots[name].aliases:

@@ -172,18 +172,27 @@ def _measure(program: Program, regions: list[Region]) -> None:
 
 
 def _peak(program: Program, chosen: list[Region]) -> int:
-    """Expected peak of activations in backward when `chosen` are checkpointed: saved
-    activations, recomputation, and what gradients allocate. A region keeps its inputs from
-    the forward; its activations come back when backward reaches its end and go node by node."""
+    """Expected peak of activations in backward when `chosen` (in graph order) are
+    checkpointed: saved activations, recomputation, and what gradients allocate. A region keeps
+    its inputs from the forward; its activations come back when backward reaches its end and
+    go node by node. With offload_activations its inputs wait on the host instead, and come
+    back with its recomputation, the next region's prefetched beside them."""
+    offloaded = program.plan.offload_activations
     first = {r.nodes[0]: r for r in chosen}
-    last = {r.nodes[-1]: r for r in chosen}
+    back = {r.nodes[-1]: r.savings for r in chosen}
+    if offloaded:
+        for i, region in enumerate(chosen):
+            back[region.nodes[-1]] += chosen[i - 1].keep_bytes if i else 0  # the prefetch
+        if chosen:
+            back[chosen[-1].nodes[-1]] += chosen[-1].keep_bytes  # the first one back
     inside = {name for r in chosen for name in r.nodes}
     steps = []
     for node, step in node_steps(program.graph_module.graph.nodes).items():
         if node.name in inside:
             region = first.get(node.name)
-            step.frees, step.kept = step.kept, region.keep_bytes if region else 0
-            step.back = last[node.name].savings if node.name in last else 0
+            kept = region.keep_bytes if region is not None and not offloaded else 0
+            step.frees, step.kept = step.kept, kept
+            step.back = back.get(node.name, 0)
         steps.append(step)
     return backward_peak(steps)
 

@@ -6,6 +6,10 @@ matrix can stay on the host: the ids go there (`ops.to_host`), the rows come bac
 (`ops.to_compute`), and the weight's gradient is applied on the host by the optimizer. A
 weight that is also read elsewhere — an lm head tied to the embedding — is needed on the
 compute tier anyway: it stays in the chunks, and the dump says so.
+
+Under bf16/fp16 the host weight is the fp32 master itself (nothing on the host needs a
+low-precision copy): the lookup runs in fp32 and the rows are rounded to the compute dtype on
+their way back, so the gradient reaching the master is fp32, as for chunked masters.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ mark_implemented("cpu_embedding")
 
 META_KEY = "fxstar.cpu_embedding"  # Program.meta: names moved to the host, names kept
 EMBEDDING = torch.ops.aten.embedding.default
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no cast
 
 
 @register
@@ -34,11 +39,7 @@ class CpuEmbedding(Pass):
         return plan.cpu_embedding
 
     def __call__(self, program: Program) -> Program:
-        if program.plan.precision != "fp32":
-            raise NotImplementedError(
-                "cpu_embedding with precision bf16/fp16 is not built yet: the host weight would "
-                "need an fp32 master beside the low-precision copy the graph reads"
-            )
+        compute_dtype = COMPUTE_DTYPES.get(program.plan.precision)
         graph = program.graph_module.graph
         kinds = program.placeholder_kinds()
         moved, kept = [], []
@@ -58,7 +59,7 @@ class CpuEmbedding(Pass):
                 ids = graph.call_function(ops.to_host, (node.args[1],))
             node.replace_input_with(node.args[1], ids)
             with graph.inserting_after(node):
-                back = graph.call_function(ops.to_compute, (node,))
+                back = graph.call_function(ops.to_compute, (node, compute_dtype))
             node.replace_all_uses_with(
                 back, delete_user_cb=lambda user, back=back: user is not back
             )

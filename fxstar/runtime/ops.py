@@ -59,7 +59,9 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu")
 
 
-def to_compute(t: torch.Tensor) -> torch.Tensor:
-    """A host embedding lookup's result, back on the compute tier."""
+def to_compute(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host embedding lookup's result, back on the compute tier (in the compute dtype when
+    the host weight is an fp32 master and the compute runs in bf16/fp16)."""
     manager = ACTIVE.get()
-    return t if manager is None else t.to(manager.device)
+    device = t.device if manager is None else manager.device
+    return t.to(device=device, dtype=dtype)

@@ -171,10 +171,11 @@ SMALL_TENSORS = 16 * 1024
 
 
 @pytest.mark.parametrize("kind", MODELS)
-@pytest.mark.parametrize("checkpoint", [None, "blocks", "auto"])
+@pytest.mark.parametrize("checkpoint", [None, "blocks", "auto", "blocks+offload"])
 def test_the_backward_peak_estimate_matches_a_measured_step(kind, checkpoint):
     """The estimate auto plans with is the peak a real step allocates (LiveBytes): saved
-    activations, recomputation, and what each gradient allocates at once."""
+    activations, recomputation, what each gradient allocates at once, and (offload) only the
+    inputs of the regions in use on the compute tier."""
     make = MODELS[kind]
     ids, targets = tokens()
     plain = compile(make(), Plan(passes=["shape_memory"]), **example(kind, ids, targets))
@@ -182,7 +183,9 @@ def test_the_backward_peak_estimate_matches_a_measured_step(kind, checkpoint):
     budget = estimate * 3 // 4
     engine = plain
     if checkpoint is not None:
-        plan = Plan(checkpoint=checkpoint, passes=["shape_memory"])
+        offload = checkpoint.endswith("+offload")
+        plan = Plan(checkpoint=checkpoint.removesuffix("+offload"), passes=["shape_memory"],
+                    offload_activations=offload)  # fmt: skip
         plan = plan.replace(activation_memory=budget) if checkpoint == "auto" else plan
         engine = compile(make(), plan, **example(kind, ids, targets))
         estimate = engine.program.meta[DECISION_KEY].estimate

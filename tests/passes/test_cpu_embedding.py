@@ -86,3 +86,37 @@ def test_a_tied_embedding_stays_in_the_chunks_and_says_so():
     assert engine.program.meta[META_KEY] == {"host": ["wpe.weight"], "kept": ["head.weight"]}
     assert "cpu_embedding=kept in chunks: also read by" in dump(engine)
     assert "head.weight" in engine.chunks.layout.slots()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_keeps_the_host_embedding_as_its_fp32_master(precision):
+    """The lookup reads the fp32 master on the host, the rows come back rounded; training
+    follows the same run without cpu_embedding closely (only where rounding happens moves)."""
+    runs = {}
+    for cpu_embedding in (False, True):
+        model = untied_llama()
+        plan = Plan(precision=precision, cpu_embedding=cpu_embedding, optimizer={"lr": 1e-3})
+        engine = compile(model, plan, **example("llama", *batch()))
+        losses = []
+        for step in range(5):
+            ids, targets = batch(seed=step)
+            loss = call("llama", engine, ids, targets)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        runs[cpu_embedding] = engine, model, losses
+    engine, model, losses = runs[True]
+    weight = model.model.embed_tokens.weight
+    assert engine.program.meta[META_KEY]["host"] == ["model.embed_tokens.weight"]
+    assert weight.dtype == torch.float32 and "model.embed_tokens.weight" not in (
+        engine.chunks.layout.slots()
+    )
+    assert dict(engine.named_parameters())["model.embed_tokens.weight"] is weight
+    assert f"torch.{COMPUTE[precision]}" in dump(engine)
+    assert losses == pytest.approx(runs[False][2], rel=2e-2)
+    assert not torch.equal(weight, untied_llama().model.embed_tokens.weight)  # trained
+    torch.testing.assert_close(weight, runs[False][1].model.embed_tokens.weight, atol=2e-3,
+                               rtol=0)  # fmt: skip
+
+
+COMPUTE = {"bf16": "bfloat16", "fp16": "float16"}
