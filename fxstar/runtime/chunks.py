@@ -676,6 +676,11 @@ class ChunkManager:
     def reserved_bytes(self) -> int:
         return sum(self.arena.allocator.block_size(offset) for offset in self.reserved)
 
+    def unreserve(self, count: int) -> None:
+        """Give back the last `count` reserved blocks (a keep that could not complete)."""
+        for _ in range(count):
+            self.arena.free(self.reserved.pop())
+
     def reserve(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """`nbytes` of the compute tier for good, out of the chunks' share (zeroed)."""
         self._drop_unused()
@@ -714,7 +719,7 @@ class ChunkManager:
             self._drop_unused()
             offset = self._take_block()
             if offset is None:
-                raise ArenaOutOfMemory("no arena block left for a chunk to keep")
+                raise ChunkBudgetError(f"no arena block left to keep chunk {chunk_id} in")
             self._load(chunk, offset, S.HOLD)
         used = slice(0, chunk.used)
         if grad is not None:

@@ -11,8 +11,10 @@ fetches in the same pass.
 The device half (`hybrid=True`): after the first training step, the chunks whose optimizer
 fits the compute tier's margin (what the traced step left free at its fullest moment, times
 `margin_use_ratio`) are kept there for good (`ChunkManager.fix`), with their gradient buffer,
-moments and fp32 master beside them, and updated there by torch's fused Adam: they never cross
-tiers again. The rest stay on the host. `hybrid=False` keeps everything on the host.
+moments and fp32 master beside them, and updated there: by torch's fused Adam on an
+accelerator, by the same C++ kernel when the compute tier is the CPU (`device_kernel` picks).
+They never cross tiers again; the rest stay on the host. `hybrid=False` keeps everything on
+the host. The global read is skipped when neither clipping nor fp16 needs it.
 
 It subclasses torch.optim.Optimizer, so `torch.optim.lr_scheduler` drives its param groups'
 `lr`; the tensors in its groups are the engine's stable parameters (their payload moves to
@@ -293,10 +295,12 @@ class HybridAdam(torch.optim.Optimizer):
         self._placed = True
         manager, n = self.manager, self.manager.layout.chunk_size
         for chunk_id in chunk_ids:
+            reserved = len(manager.reserved)
             try:
                 moments = manager.reserve(2 * n * 4, torch.float32)
                 manager.fix(chunk_id)
             except MemoryError:  # the arena is fragmented: keep the rest on the host
+                manager.unreserve(len(manager.reserved) - reserved)
                 break
             for slot in manager.chunks[chunk_id].slots:
                 state = self.state.get(manager.stable[slot.name])

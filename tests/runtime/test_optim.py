@@ -257,3 +257,20 @@ def test_gradient_copies_beside_backward_change_nothing(precision):
     (losses, params), (other_losses, other_params) = results
     assert all(torch.equal(a, b) for a, b in zip(losses, other_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(params, other_params, strict=True))
+
+
+def test_a_chunk_that_cannot_be_kept_stays_on_the_host_and_gives_its_room_back(monkeypatch):
+    plan = Plan(device_memory=roomy("gpt"), optimizer=OPT)
+    engine = compile(gpt_without_biases(), plan, **example("gpt", *tokens()))
+    manager = engine.chunks
+
+    def fragmented(chunk_id):
+        raise MemoryError("the arena is fragmented")
+
+    monkeypatch.setattr(manager, "fix", fragmented)
+    engine(*tokens()).backward()
+    assert engine.step()
+    assert engine.optimizer.device_chunks == [] and manager.reserved == []
+    assert manager.arena.stats()["in_use"] <= manager.budget
+    engine(*tokens()).backward()  # and training goes on, all on the host
+    assert engine.step()
