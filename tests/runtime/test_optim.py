@@ -38,6 +38,19 @@ def roomy(kind) -> int:
     return activation_budget(FACTORIES[kind], 2.0, **example(kind, *tokens()))
 
 
+def train_steps(engine, steps: int) -> list[torch.Tensor]:
+    """`steps` engine steps on the seeded batches; the losses."""
+    losses = []
+    for step in range(steps):
+        ids, targets = tokens(seed=step)
+        torch.manual_seed(step)
+        loss = engine(ids, targets)
+        loss.backward()
+        engine.step()
+        losses.append(loss.detach())
+    return losses
+
+
 def assert_split_between_tiers(engine) -> None:
     """HybridAdam kept some chunks on the compute tier, and left some on the host."""
     kept = engine.optimizer.device_chunks
@@ -174,15 +187,7 @@ def test_bf16_chunks_kept_on_the_compute_tier_train_like_the_host_ones():
         engine = compile(gpt_without_biases(), plan, **example("gpt", *tokens()))
         engine.optimizer.device_kernel = kernel
         engine.chunks.checking = True
-        losses = []
-        for step in range(8):
-            ids, targets = tokens(seed=step)
-            torch.manual_seed(step)
-            loss = engine(ids, targets)
-            loss.backward()
-            engine.step()
-            losses.append(float(loss.detach()))
-        runs[kernel] = engine, losses
+        runs[kernel] = engine, [float(loss) for loss in train_steps(engine, 8)]
     host, host_losses = runs["host-only"]
     for kernel in ("cpu", "torch"):
         engine, losses = runs[kernel]
@@ -245,14 +250,7 @@ def test_gradient_copies_beside_backward_change_nothing(precision):
         plan = Plan(precision=precision, device_memory=tight("gpt"), optimizer=OPT,
                     overlap_grad_copies=overlap, checkpoint="blocks")  # fmt: skip
         engine = compile(gpt_without_biases(), plan, **example("gpt", *tokens()))
-        losses = []
-        for step in range(4):
-            ids, targets = tokens(seed=step)
-            torch.manual_seed(step)
-            loss = engine(ids, targets)
-            loss.backward()
-            engine.step()
-            losses.append(loss.detach())
+        losses = train_steps(engine, 4)
         results.append((losses, [p.detach().clone() for p in engine.parameters()]))
     (losses, params), (other_losses, other_params) = results
     assert all(torch.equal(a, b) for a, b in zip(losses, other_losses, strict=True))
