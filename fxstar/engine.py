@@ -231,7 +231,9 @@ class Engine(nn.Module):
                 self._optimizer = HybridAdam(
                     self.chunks, groups, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                     adamw=opt.type == "adamw", clip_grad_norm=opt.clip_grad_norm,
-                    scaler=self.scaler, hybrid=self.plan.hybrid_adam,
+                    scaler=self.scaler,
+                    # without a device_memory the budget is made up: no margin to plan from
+                    hybrid=self.plan.hybrid_adam and self.plan.device_memory is not None,
                     margin_use_ratio=self.plan.margin_use_ratio,
                 )  # fmt: skip
             elif self.chunks is not None and self.chunks.low_precision:

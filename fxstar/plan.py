@@ -413,8 +413,8 @@ class Plan:
     )  # fmt: skip
     hybrid_adam: bool = _option(
         True, check=_boolean, feature="HybridAdam",
-        doc="Keep the chunks whose optimizer fits the compute tier's margin there for good, "
-        "updated by torch's fused Adam; the rest by the C++ CPU Adam. False: all on the host.",
+        doc="Keep the chunks whose optimizer fits the compute tier's margin (of device_memory) "
+        "there for good, updated there; the rest by the C++ CPU Adam. False: all on the host.",
     )  # fmt: skip
     checkpoint: str | tuple[str, ...] | None = _option(
         None, check=_checkpoint, feature="the activation checkpoint pass",
