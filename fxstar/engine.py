@@ -328,9 +328,11 @@ class Engine(nn.Module):
         return self.model.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-        """The model's keys and shapes, whatever passes did to the parameters."""
+        """The model's keys, shapes and dtypes, whatever passes (or bf16/fp16, whose traced
+        copy holds low-precision buffers) did to the tensors."""
         state = self.store.state_dict()
-        return {prefix + k: v for k, v in state.items()}
+        own = {k: v.dtype for k, v in self.model.state_dict().items()}
+        return {prefix + k: v.to(own.get(k, v.dtype)) for k, v in state.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)

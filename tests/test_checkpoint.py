@@ -218,3 +218,26 @@ def test_optimizer_state_follows_names_when_the_order_changes(tmp_path):
     name_of = {id(p): n for n, p in other.named_parameters()}
     for p, state in other.optimizer.state.items():
         assert torch.equal(state["exp_avg"], saved[name_of[id(p)]]["exp_avg"])
+
+
+class ScaledLinear(torch.nn.Module):
+    """A float buffer in the state dict (as BatchNorm's running statistics are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x):
+        return (self.linear(x) * self.scale).square().mean()
+
+
+def test_a_low_precision_state_dict_has_the_model_s_own_dtypes():
+    """bf16 traces a bf16 copy, buffers included; the state dict still has the eager model's
+    dtypes (fp32 masters, buffers back in their own dtype), so it loads without a cast."""
+    torch.manual_seed(0)
+    model = ScaledLinear()
+    engine = compile(model, Plan(precision="bf16"), (torch.randn(4, 8, dtype=torch.bfloat16),))
+    state = engine.state_dict()
+    assert {k: v.dtype for k, v in state.items()} == {k: torch.float32 for k in state}
+    assert torch.equal(state["scale"], model.scale)
