@@ -121,15 +121,28 @@ def pack(params: Sequence[ParamInfo], chunk_size: int) -> list[list[tuple[ParamI
     return chunks
 
 
+def keep_bytes_per_element(program: Program, itemsize: int) -> int | None:
+    """What HybridAdam's device half holds per element of a chunk it keeps on the compute
+    tier (payload, gradient, two fp32 moments, an fp32 master under bf16/fp16), or None when
+    it will keep none (off, another optimizer, a static partition, no budget)."""
+    plan = program.plan
+    if not (plan.hybrid_adam and plan.device_memory is not None and not plan.static_partition
+            and plan.optimizer.type in ("adam", "adamw")):  # fmt: skip
+        return None
+    return 2 * itemsize + 8 + (4 if itemsize < 4 else 0)
+
+
 def search_chunk_size(program: Program, params: Sequence[ParamInfo], share: int) -> int:
     """The candidate size with the least unused space among those whose busiest op's chunks,
-    plus one, fit in `share`."""
+    plus one, fit in `share`; with HybridAdam's device half, first among those small enough
+    that the room left (times margin_use_ratio) can keep at least one chunk there."""
     itemsize = params[0].dtype.itemsize
     largest = max(p.numel for p in params)
     total = sum(p.numel for p in params)
     step = max(1, (total - largest) // SEARCH_STEPS)
     reads = params_per_node(program)
-    best: tuple[int, int, int] | None = None  # (wasted, chunk count, size)
+    keep_bytes = keep_bytes_per_element(program, itemsize)
+    best: tuple[bool, int, int, int] | None = None  # (not keepable, wasted, count, size)
     size = largest
     while size <= max(total, largest):
         chunks = pack(params, size)
@@ -137,7 +150,9 @@ def search_chunk_size(program: Program, params: Sequence[ParamInfo], share: int)
         need = (chunks_per_node(reads, chunk_of) + 1) * size * itemsize
         if need <= share:
             wasted = len(chunks) * size - total
-            key = (wasted, len(chunks), size)
+            margin = program.plan.margin_use_ratio * (share - need)
+            keepable = keep_bytes is not None and margin >= size * keep_bytes
+            key = (not keepable, wasted, len(chunks), size)
             best = key if best is None or key < best else best
         size += step
     if best is None:
@@ -148,7 +163,7 @@ def search_chunk_size(program: Program, params: Sequence[ParamInfo], share: int)
             "of activations and temporaries). Raise device_memory, checkpoint activations, "
             "or tile the largest linears."
         )
-    return best[2]
+    return best[3]
 
 
 def plan_layout(program: Program) -> ChunkLayout:

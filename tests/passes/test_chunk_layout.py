@@ -139,3 +139,25 @@ def test_tiles_are_chunk_entries_of_their_own():
     grads = tiled.store.consolidate_grads({n: p.grad for n, p in tiled.named_parameters()})
     for name, p in eager.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_size_leaves_hybrid_adam_chunks_it_can_keep():
+    """With room for some optimizer state, the least-waste size is one chunk of the whole
+    model here, which the margin cannot keep; with HybridAdam's device half on, the search
+    prefers a size of which the margin can keep at least one."""
+    from fxstar.models.gpt import GPT, GPTConfig
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=256,
+                             dropout=0.0, bias=False))  # fmt: skip
+
+    batch = (torch.randint(0, 2048, (2, 128)), torch.randint(0, 2048, (2, 128)))
+    budget = activation_budget(gpt, 2.0, example_inputs=batch)
+    one = compile(gpt(), Plan(device_memory=budget, hybrid_adam=False), batch)
+    assert len(one.program.meta[LAYOUT_KEY].chunks) == 1
+    engine = compile(gpt(), Plan(device_memory=budget), batch)
+    assert len(engine.program.meta[LAYOUT_KEY].chunks) > 1
+    engine(*batch).backward()
+    engine.step()
+    assert engine.optimizer.device_chunks

@@ -1,0 +1,163 @@
+"""The accelerator path in one run: what a session lent a GPU should run first.
+
+Every check trains a GPT on the compute device against eager PyTorch on the same device and
+reports real device memory:
+- chunks: the chunk engine at a budget of the activations plus 60% of the parameters (the
+  arena on the device, pinned host homes, copies on the side stream): losses and gradients
+  against eager, peak device memory against the budget;
+- overlap: the same with gradient copies beside backward on the copy stream, bitwise equal
+  to it, and the share of copy time hidden;
+- hybrid: a budget with room for some chunks' optimizer state, kept on the device and updated
+  by torch's fused AdamW, against torch AdamW on the eager model;
+- offload: checkpointed blocks whose inputs wait in pinned host memory, against eager.
+On a CPU-only machine the same checks run on the CPU (the device-only facts are skipped), so
+the script itself is tested everywhere.
+
+    python benchmarks/device_check.py                       # cuda when there is one
+    python benchmarks/device_check.py --device cpu --layers 2 --width 64 --json check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import fxstar
+from fxstar.models.gpt import GPT, GPTConfig
+from fxstar.passes.chunk_layout import nonmodel_peak
+
+OPTIMIZER = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool = False
+    max_loss_error: float = 0.0
+    max_param_error: float = 0.0
+    budget_bytes: int = 0
+    peak_device_bytes: int | None = None  # torch.cuda.max_memory_allocated during the steps
+    seconds: float = 0.0
+    facts: dict[str, object] = field(default_factory=dict)
+
+
+def make(args, device: torch.device) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
+                    n_head=args.heads, n_embd=args.width, dropout=0.0, bias=False)  # fmt: skip
+    idx = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.block_size), device=device)
+    targets = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.block_size), device=device)
+    return GPT(cfg).to(device), idx, targets
+
+
+def budget(args, device: torch.device, share: float) -> int:
+    """Activations at their peak plus `share` of the parameter bytes."""
+    model, idx, targets = make(args, device)
+    program = fxstar.compile(model, fxstar.Plan(passes=["shape_memory"]), (idx, targets)).program
+    return nonmodel_peak(program) + int(share * program.param_bytes)
+
+
+def run(name: str, args, device: torch.device, plan: fxstar.Plan, tolerance: float) -> Check:
+    """`args.steps` AdamW steps of the engine and of eager on the same batches. With
+    hybrid_adam the check also needs some chunks kept on the compute tier."""
+    eager, idx, targets = make(args, device)
+    model = make(args, device)[0]
+    reference = torch.optim.AdamW(
+        [{"params": [p for n, p in eager.named_parameters() if plan.optimizer.decays(n)]},
+         {"params": [p for n, p in eager.named_parameters() if not plan.optimizer.decays(n)],
+          "weight_decay": 0.0}], lr=OPTIMIZER["lr"], weight_decay=OPTIMIZER["weight_decay"],
+    )  # fmt: skip
+    check = Check(name, budget_bytes=plan.resolve_size("device_memory", 1) or 0)
+    engine = fxstar.compile(model, plan, (idx, targets))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        expected = eager(idx, targets)
+        expected.backward()
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+        loss = engine(idx, targets)
+        loss.backward()
+        engine.step()
+        check.max_loss_error = max(check.max_loss_error,
+                                  abs(float(loss.detach()) - float(expected.detach())))  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        check.peak_device_bytes = torch.cuda.max_memory_allocated(device)
+    check.seconds = time.perf_counter() - start
+    for (_, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters(), strict=True):
+        error = float((p.detach().double() - q.detach().double().to(p.device)).abs().max())
+        check.max_param_error = max(check.max_param_error, error)
+    manager = engine.chunks
+    if manager is not None:
+        check.facts["arena device"] = str(manager.arena.buffer.device)
+        check.facts["host homes pinned"] = bool(manager.chunks[0].host.is_pinned())
+        check.facts["kept chunks"] = f"{len(engine.optimizer.device_chunks)}/{len(manager.chunks)}"
+        check.facts["bytes to compute per step"] = manager.stats.per_step_bytes[-1:]
+        overlap = manager.grad_copy_overlap()
+        if overlap is not None:
+            check.facts["gradient copies hidden"] = f"{overlap:.0%}"
+    within_budget = check.peak_device_bytes is None or check.peak_device_bytes <= (
+        check.budget_bytes + sum(p.numel() * p.element_size() for p in eager.parameters())
+    )  # the eager reference model lives on the device too
+    kept = manager is not None and bool(engine.optimizer.device_chunks)
+    check.ok = check.max_param_error <= tolerance and within_budget
+    check.ok = check.ok and (kept or not plan.hybrid_adam)
+    return check
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    tight, roomy = budget(args, device, 0.6), budget(args, device, 2.0)
+    base = fxstar.Plan(optimizer=OPTIMIZER, device_memory=tight, hybrid_adam=False)
+    checks = [
+        run("chunks", args, device, base, 1e-4),
+        run("overlap", args, device, base.replace(overlap_grad_copies="on"), 1e-4),
+        run("hybrid", args, device, base.replace(device_memory=roomy, hybrid_adam=True), 1e-4),
+        run(
+            "offload",
+            args,
+            device,
+            base.replace(checkpoint="blocks", offload_activations=True),
+            1e-4,
+        ),  # fmt: skip
+    ]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {device} ({name}); GPT {args.layers} layers, d={args.width}, "
+          f"batch {args.batch_size} x {args.seq_len}")  # fmt: skip
+    header = (f"{'check':<8} {'ok':<4} {'loss err':>9} {'param err':>9} {'budget':>12} "
+              f"{'peak dev':>12} {'s':>6}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for c in checks:
+        peak = "-" if c.peak_device_bytes is None else f"{c.peak_device_bytes:,}"
+        print(f"{c.name:<8} {'yes' if c.ok else 'NO':<4} {c.max_loss_error:>9.1e} "
+              f"{c.max_param_error:>9.1e} {c.budget_bytes:>12,} {peak:>12} "
+              f"{c.seconds:>6.1f}")  # fmt: skip
+        if c.facts:
+            print("  " + "; ".join(f"{k}: {v}" for k, v in c.facts.items()))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump({"args": vars(args), "checks": [asdict(c) for c in checks]}, file, indent=2)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""benchmarks/device_check.py, the script a session lent a GPU runs first, works here on the
+CPU (its device-only facts skipped), so it is ready when a device is."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "device_check.py"
+
+
+def test_every_check_passes_on_the_cpu(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    out = tmp_path / "check.json"
+    code = module.main(["--device", "cpu", "--layers", "4", "--width", "256", "--heads", "4",
+                        "--vocab", "2048", "--seq-len", "128", "--batch-size", "2",
+                        "--steps", "2", "--json", str(out)])  # fmt: skip
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert code == 0, capsys.readouterr().out
+    assert set(checks) == {"chunks", "overlap", "hybrid", "offload"}
+    assert checks["hybrid"]["facts"]["kept chunks"] != "0/1"
+    assert "gradient copies hidden" in checks["overlap"]["facts"]
