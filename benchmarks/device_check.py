@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from gpt_setup import add_gpt_args
 
 import fxstar
 from fxstar.models.gpt import GPT, GPTConfig
@@ -115,12 +116,8 @@ def run(name: str, args, device: torch.device, plan: fxstar.Plan, tolerance: flo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    add_gpt_args(parser)
+    parser.set_defaults(width=512, heads=8, layers=8, batch_size=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """The benchmark GPT's command-line options and construction, shared by the benchmarks that
-train the ~90M-parameter reference GPT (chunks.py, step.py)."""
+train the reference GPT (chunks.py, step.py, device_check.py)."""
 
 from __future__ import annotations
 

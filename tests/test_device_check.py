@@ -6,10 +6,12 @@ import json
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "device_check.py"
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "device_check.py"
 
 
-def test_every_check_passes_on_the_cpu(tmp_path, capsys):
+def test_every_check_passes_on_the_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run as a script: gpt_setup
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
