@@ -1,8 +1,11 @@
 #include "cpu_adam.hpp"
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "kernels/dispatch.hpp"
 #include "tensor_arg.hpp"
@@ -16,9 +19,16 @@ void require(bool ok, const std::string& msg) {
   if (!ok) throw py::value_error(msg);
 }
 
-void check_threads(int num_threads) {
+// At least 1; a larger request than max_threads() is clamped to it, since OpenMP would try to
+// start every thread asked for (100000 crash the process, 2**31-1 abort it in libgomp).
+int checked_threads(int64_t num_threads) {
   require(num_threads >= 1, "num_threads: must be at least 1, got " + std::to_string(num_threads));
+  return static_cast<int>(std::min<int64_t>(num_threads, max_threads()));
 }
+
+// The kernels compute in float32: a hyperparameter that is finite as a double but not as a
+// float (lr=1e300) would still make every parameter inf or NaN.
+bool finite_f32(double x) { return std::isfinite(x) && std::isfinite(static_cast<float>(x)); }
 
 std::string str(double x) {
   std::ostringstream s;
@@ -49,19 +59,27 @@ void require_disjoint_from_state(const TensorArg& t, const AdamState& s) {
 
 }  // namespace
 
+int max_threads() {
+  const unsigned cores = std::thread::hardware_concurrency();
+  return static_cast<int>(std::max(1u, cores)) * kThreadsPerCore;
+}
+
 void adam_step(py::handle param, py::handle grad, py::handle exp_avg, py::handle exp_avg_sq,
                double lr, double beta1, double beta2, double eps, double weight_decay,
-               int64_t step, bool adamw, double grad_scale, py::handle out, int num_threads,
+               int64_t step, bool adamw, double grad_scale, py::handle out, int64_t num_threads,
                const std::string& variant) {
-  require(std::isfinite(lr) && lr >= 0, "lr: must be finite and >= 0, got " + str(lr));
+  require(finite_f32(lr) && lr >= 0, "lr: must be a finite float32 >= 0, got " + str(lr));
   require(beta1 >= 0 && beta1 < 1, "beta1: must be in [0, 1), got " + str(beta1));
   require(beta2 >= 0 && beta2 < 1, "beta2: must be in [0, 1), got " + str(beta2));
-  require(std::isfinite(eps) && eps >= 0, "eps: must be finite and >= 0, got " + str(eps));
-  require(std::isfinite(weight_decay) && weight_decay >= 0,
-          "weight_decay: must be finite and >= 0, got " + str(weight_decay));
+  // eps keeps the denominator away from 0 where a gradient and its moments are 0: at 0, or
+  // below float32's smallest normal (flushed to 0 under FTZ), the update is 0/0 = NaN.
+  require(finite_f32(eps) && eps >= FLT_MIN,
+          "eps: must be a finite float32 >= " + str(FLT_MIN) + ", got " + str(eps));
+  require(finite_f32(weight_decay) && weight_decay >= 0,
+          "weight_decay: must be a finite float32 >= 0, got " + str(weight_decay));
   require(step >= 1, "step: counts from 1, got " + std::to_string(step));
-  require(std::isfinite(grad_scale), "grad_scale: must be finite, got " + str(grad_scale));
-  check_threads(num_threads);
+  require(finite_f32(grad_scale), "grad_scale: must be a finite float32, got " + str(grad_scale));
+  const int threads = checked_threads(num_threads);
   const KernelTable& kernels = select_variant(variant);
 
   AdamState s = adam_state(param, exp_avg, exp_avg_sq);
@@ -89,24 +107,25 @@ void adam_step(py::handle param, py::handle grad, py::handle exp_avg, py::handle
   const AdamHyper h{lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale};
   if (b.numel == 0) return;
   py::gil_scoped_release no_gil;
-  kernels.adam(h, b, num_threads);
+  kernels.adam(h, b, threads);
 }
 
-std::pair<double, bool> grad_stats(py::handle grad, int num_threads, const std::string& variant) {
-  check_threads(num_threads);
+std::pair<double, bool> grad_stats(py::handle grad, int64_t num_threads,
+                                   const std::string& variant) {
+  const int threads = checked_threads(num_threads);
   const KernelTable& kernels = select_variant(variant);
   TensorArg g = tensor_arg(grad, "grad");
   GradStats r;
   {
     py::gil_scoped_release no_gil;
-    r = kernels.grad_stats(g.data, g.dtype, g.numel, num_threads);
+    r = kernels.grad_stats(g.data, g.dtype, g.numel, threads);
   }
   return {r.sum_sq, r.finite};
 }
 
 void adam_traffic(py::handle param, py::handle grad, py::handle exp_avg, py::handle exp_avg_sq,
-                  int num_threads, const std::string& variant) {
-  check_threads(num_threads);
+                  int64_t num_threads, const std::string& variant) {
+  const int threads = checked_threads(num_threads);
   const KernelTable& kernels = select_variant(variant);
   AdamState s = adam_state(param, exp_avg, exp_avg_sq);
   TensorArg g = tensor_arg(grad, "grad");
@@ -116,7 +135,7 @@ void adam_traffic(py::handle param, py::handle grad, py::handle exp_avg, py::han
   py::gil_scoped_release no_gil;
   kernels.adam_traffic(static_cast<float*>(s.param.data), static_cast<const float*>(g.data),
                        static_cast<float*>(s.exp_avg.data), static_cast<float*>(s.exp_avg_sq.data),
-                       s.param.numel, num_threads);
+                       s.param.numel, threads);
 }
 
 }  // namespace fxstar

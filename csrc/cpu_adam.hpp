@@ -8,15 +8,21 @@
 
 namespace fxstar {
 
+// num_threads above max_threads() is clamped to it: OpenMP starts every thread it is asked for,
+// and 100000 of them crash the process. Results do not depend on the count (except the order of
+// grad_stats' sum), so clamping changes nothing but the time.
+constexpr int kThreadsPerCore = 4;
+int max_threads();  // kThreadsPerCore x the hardware threads (at least 1 of them)
+
 void adam_step(pybind11::handle param, pybind11::handle grad, pybind11::handle exp_avg,
                pybind11::handle exp_avg_sq, double lr, double beta1, double beta2, double eps,
                double weight_decay, int64_t step, bool adamw, double grad_scale,
-               pybind11::handle out, int num_threads, const std::string& variant);
+               pybind11::handle out, int64_t num_threads, const std::string& variant);
 
-std::pair<double, bool> grad_stats(pybind11::handle grad, int num_threads,
+std::pair<double, bool> grad_stats(pybind11::handle grad, int64_t num_threads,
                                    const std::string& variant);
 
 void adam_traffic(pybind11::handle param, pybind11::handle grad, pybind11::handle exp_avg,
-                  pybind11::handle exp_avg_sq, int num_threads, const std::string& variant);
+                  pybind11::handle exp_avg_sq, int64_t num_threads, const std::string& variant);
 
 }  // namespace fxstar

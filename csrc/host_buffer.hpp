@@ -22,6 +22,7 @@ struct HostAllocation {
 class HostBuffer {
  public:
   // `alignment` 0 picks 4 KiB, or 2 MiB (with transparent huge pages advised) for large buffers.
+  // `zero` false leaves the heap's old contents in place (the Python default is true).
   HostBuffer(int64_t nbytes, uint64_t alignment, bool zero);
   pybind11::capsule dlpack() const;  // a fresh "dltensor" capsule sharing ownership of the memory
   uint64_t nbytes() const { return alloc_->nbytes; }

@@ -74,10 +74,13 @@ PYBIND11_MODULE(_C, m) {
                std::to_string(s.in_use) + ", live_blocks=" + std::to_string(s.live_blocks) + ")";
       });
 
-  py::class_<fxstar::HostBuffer>(m, "HostBuffer",
-                                 "Aligned host memory, exported to torch without a copy "
-                                 "(torch.from_dlpack gives a uint8 tensor of nbytes).")
-      .def(py::init<int64_t, uint64_t, bool>(), "nbytes"_a, "alignment"_a = 0, "zero"_a = false)
+  py::class_<fxstar::HostBuffer>(
+      m, "HostBuffer",
+      "Aligned host memory, exported to torch without a copy (torch.from_dlpack gives a uint8 "
+      "tensor of nbytes). Zeroed by default; zero=False skips the memset and leaves whatever the "
+      "heap held before (bytes freed by this process, possibly other data): use it only for a "
+      "buffer that is overwritten completely before anything reads it.")
+      .def(py::init<int64_t, uint64_t, bool>(), "nbytes"_a, "alignment"_a = 0, "zero"_a = true)
       .def(
           "__dlpack__",
           // Always the legacy capsule, whatever max_version asks: the protocol allows it.
@@ -88,13 +91,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("address", &fxstar::HostBuffer::address)
       .def_property_readonly("huge_pages", &fxstar::HostBuffer::huge_pages);
 
+  m.def("max_threads", &fxstar::max_threads,
+        "The most threads a kernel runs: a larger num_threads is clamped to this (4 per hardware "
+        "thread); num_threads < 1 is a ValueError.");
   m.def("adam_step", &fxstar::adam_step, "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a,
         py::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a,
         "adamw"_a, "grad_scale"_a = 1.0, "out"_a = py::none(), "num_threads"_a,
         "variant"_a = "",
         "One Adam/AdamW update in a single pass over memory, in place on param, exp_avg and "
         "exp_avg_sq (fp32). grad may be fp32, bf16 or fp16 and is multiplied by grad_scale "
-        "first; out (bf16/fp16), if given, receives the updated parameter.");
+        "first; out (bf16/fp16), if given, receives the updated parameter. Hyperparameters must be "
+        "finite as float32, eps at least float32's smallest normal; num_threads >= 1, clamped to "
+        "max_threads().");
   m.def("grad_stats", &fxstar::grad_stats, "grad"_a, py::kw_only(), "num_threads"_a,
         "variant"_a = "",
         "(sum of squares, all finite) of a gradient buffer in one read.");

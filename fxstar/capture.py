@@ -8,12 +8,15 @@ dump/diff and identity runs of models export cannot take; rewrite passes refuse 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import linecache
 import os
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +25,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from fxstar.errors import CaptureError
-from fxstar.program import EXPORT, SYMBOLIC_TRACE, InputSlot, ParamInfo, Program
+from fxstar.program import EXPORT, SYMBOLIC_TRACE, InputSlot, ParamInfo, Program, buffers_restored
 
 __all__ = ["LossWrapper", "capture"]
 
@@ -91,10 +94,15 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
     args, kwargs = _distinct_tensors(args, kwargs)
     start = time.perf_counter()
     try:
-        ep = torch.export.export(root, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        with _autograd_functions() as functions:
+            ep = torch.export.export(
+                root, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
+            )
     except Exception as error:  # noqa: BLE001 - any failure becomes a CaptureError
         raise _capture_error(error, root, prefix) from error
     export_seconds = time.perf_counter() - start
+    if functions:
+        raise _function_error(functions)
 
     def model_name(target: str) -> str:
         return target[len(prefix) :] if prefix and target.startswith(prefix) else target
@@ -150,6 +158,51 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
     return program
 
 
+@contextlib.contextmanager
+def _autograd_functions() -> Iterator[list[type]]:
+    """The custom autograd.Functions applied while tracing (in this thread). Export inlines
+    a Function's forward and keeps no trace of its backward: the graph would train on
+    autograd's derivative of the forward instead (a straight-through estimator gets zero)."""
+    # Function.apply looks this helper up on every call, also through an `apply` bound before
+    # (`self.fn = MyFunction.apply`): the one place every application passes
+    module = torch.autograd.function
+    found: list[type] = []
+    original = module._is_setup_context_defined
+    thread = threading.get_ident()
+
+    def seen(fn):
+        cls = sys._getframe(1).f_locals.get("cls")
+        if threading.get_ident() == thread and _user_function(cls) and cls not in found:
+            found.append(cls)
+        return original(fn)
+
+    module._is_setup_context_defined = seen
+    try:
+        yield found
+    finally:
+        module._is_setup_context_defined = original
+
+
+def _user_function(cls: Any) -> bool:
+    """Not torch's own: a custom op's autograd wrapper is a Function that the op keeps whole,
+    and torch's others (reentrant checkpoint) differentiate as their forward does."""
+    return isinstance(cls, type) and not cls.__module__.startswith(("torch.", "fxstar."))
+
+
+def _function_error(functions: list[type]) -> CaptureError:
+    names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in functions)
+    return CaptureError(
+        f"the model applies custom torch.autograd.Function(s) {names}: torch.export inlines "
+        "their forward and drops their backward, so training would silently use autograd's "
+        "derivative of the forward instead (zero for a straight-through round)",
+        hint=(
+            "make it a torch.library.custom_op with register_autograd (kept whole, backward "
+            "included), or write it with differentiable ops (a straight-through estimator is "
+            "`x + (torch.round(x) - x).detach()`)"
+        ),
+    )
+
+
 def _distinct_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Clone repeated input tensors: export merges identical inputs into one placeholder."""
     seen: set[int] = set()
@@ -199,7 +252,8 @@ def _param_table(model: nn.Module, bound: list[tuple[str, str]]) -> list[ParamIn
 
 def _capture_symbolic(root, model, args, kwargs, plan) -> Program:
     try:
-        gm = fx.symbolic_trace(root)
+        with buffers_restored(root):
+            gm = fx.symbolic_trace(root)
     except Exception as error:  # noqa: BLE001
         raise _capture_error(error, root, "model." if root is not model else "") from error
     prefix = "model." if root is not model else ""

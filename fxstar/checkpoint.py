@@ -8,7 +8,12 @@ A checkpoint is a directory:
                           tensors that share memory
     training.safetensors  every tensor of the training state (optimizer moments, RNG states)
     training.json         the training state's structure, with {"__tensor__": key} where a
-                          tensor of training.safetensors goes; step, scheduler and RNG state
+                          tensor of training.safetensors goes; step, scheduler and RNG state;
+                          under "files", each safetensors file's size and CRC-32 (and each of
+                          its tensors'), checked before the file is read: a flipped bit or a
+                          truncated file is a CheckpointError naming it (and the tensors that
+                          differ), never a weight of 5e36. Format 1 (no checksums) still loads,
+                          with a warning. A file name it gives must lie in the directory.
 
 The training state is `engine.training_state()`: the step count, the RNG states (torch CPU,
 every CUDA device, Python's and NumPy's), `engine.optimizer.state_dict()`, the names of the
@@ -17,32 +22,47 @@ changed), and the state of everything the engine saves along: its loss scaler (f
 `engine.scaler`) under "loss_scaler", a scheduler given to `engine.attach_scheduler`, objects
 given to `engine.register_state`.
 
-`save` writes into `<dir>.tmp-XXXX` next to the target, moves the old `<dir>` aside to
-`<dir>.old-XXXX`, renames the new one into place and deletes the old: a crash at any point
-leaves the previous checkpoint whole, and `load` finds it under `.old-` if it was caught
-between the two renames.
+`save` writes into `<dir>.tmp-<host>-<pid>-XXXX` next to the target, moves the old `<dir>` aside
+to `<dir>.old-<host>-<pid>-XXXX`, renames the new one into place and deletes the old: a crash at
+any point leaves the previous checkpoint whole, and `load` finds it under `.old-` if it was
+caught between the two renames. The renames hold an flock on the parent directory, so two
+processes saving one path each leave a whole checkpoint (the last wins); a save first deletes
+the `.tmp-` directories of killed saves (same host, pid gone). Siblings are matched by exact
+name, never by a glob: a name with `*`, `?` or `[` only ever touches its own.
+
+Under tensor parallelism (`plan.tensor_parallel`, a process group) every rank calls `save`:
+the parameters are gathered from the shards, rank 0 alone writes, and every rank returns once
+the checkpoint is whole (or raises rank 0's error). The training state is rank 0's (its RNG,
+its shards of the optimizer state), so such a checkpoint restores parameters only
+(`fxstar.load(dir, model)` before compile); `Checkpoint.apply` refuses it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
+import re
 import shutil
+import socket
 import tempfile
 import warnings
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from fxstar.errors import FxstarError
+from fxstar.errors import CheckpointError
 
 if TYPE_CHECKING:
     from fxstar.engine import Engine
@@ -58,16 +78,13 @@ __all__ = [
 ]
 
 FORMAT = "fxstar-checkpoint"
-VERSION = 1
+VERSION = 2  # 2 added "files" (checksums); 1 loads with a warning
 PARAMETERS = "model.safetensors"
 TENSORS = "training.safetensors"
 STATE = "training.json"
 ALIASES_KEY = "fxstar.aliases"
 RESERVED = ("step", "rng", "optimizer", "optimizer_params")
-
-
-class CheckpointError(FxstarError, ValueError):
-    """A checkpoint that does not fit the model (every difference listed), or is unreadable."""
+FIX = "restore it from a copy, or save the checkpoint again"
 
 
 # -- the training state -------------------------------------------------------------------------
@@ -209,8 +226,17 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def save(engine: Engine, path: str | os.PathLike) -> Path:
-    """Write `engine`'s checkpoint to directory `path`, replacing any there atomically."""
-    params, aliases = _dedupe(engine.state_dict())
+    """Write `engine`'s checkpoint to directory `path`, replacing any there atomically. Under
+    tensor parallelism every rank must call it (the parameters are gathered); rank 0 writes."""
+    params, aliases = _dedupe(engine.state_dict())  # collective under tensor parallelism
+    ranks = _ranks(engine)
+    if ranks == 1:
+        return _save(engine, path, params, aliases, ranks)
+    return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks))
+
+
+def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tensor],
+          aliases: dict[str, str], ranks: int) -> Path:  # fmt: skip
     skeleton, tensors = _to_json(training_state(engine))
     plan = engine.plan.to_dict()
     plan.pop("loss_fn", None)
@@ -219,43 +245,150 @@ def save(engine: Engine, path: str | os.PathLike) -> Path:
         "version": VERSION,
         "torch": torch.__version__,
         "model": type(engine.model).__name__,
+        "ranks": ranks,
         "parameters": {"file": PARAMETERS, "aliases": aliases},
         "tensors": TENSORS,
+        "files": {},
         "state": skeleton,
         "plan": _jsonable(plan),
     }
 
     def write(tmp: Path) -> None:
         header = {"format": "pt", ALIASES_KEY: json.dumps(aliases)}
-        save_file(params, tmp / PARAMETERS, metadata=header)
-        save_file(tensors, tmp / TENSORS, metadata={"format": "pt"})
+        for name, content, metadata in [(PARAMETERS, params, header),
+                                        (TENSORS, tensors, {"format": "pt"})]:  # fmt: skip
+            save_file(content, tmp / name, metadata=metadata)
+            meta["files"][name] = {
+                "bytes": (tmp / name).stat().st_size,
+                "crc32": _file_crc(tmp / name),
+                "tensors": {k: _tensor_crc(t) for k, t in content.items()},
+            }
         (tmp / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
     return write_atomically(path, write)
+
+
+def _ranks(engine: Engine) -> int:
+    """The ranks a tensor-parallel engine is split over, whose save is collective; else 1."""
+    config = engine.plan.tensor_parallel
+    if config is None or config.size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _on_rank_zero(save: Callable[[], Path]) -> Path:
+    """Run `save` on rank 0 alone; every rank returns its path, or raises if it failed, so none
+    goes on before the checkpoint is whole (a barrier that carries the outcome)."""
+    outcome: list[Any] = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = save()
+        except Exception as caught:  # told to the other ranks first, then raised here
+            error = caught
+            outcome[0] = CheckpointError(f"rank 0 failed to save the checkpoint: {caught}")
+    dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def write_atomically(path: str | os.PathLike, write: Any) -> Path:
     """Run `write(tmp_dir)`, then swap tmp_dir in for `path` keeping the old one until done."""
     target = Path(path).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    _remove_killed_saves(target)  # first: the space they hold may be what this save needs
+    tmp = _scratch(target, "tmp")
     try:
         write(tmp)
         for file in tmp.iterdir():
             _fsync(file)
         _fsync(tmp)
+        with _locked(target.parent):
+            if target.exists():
+                os.replace(target, _scratch(target, "old"))  # onto an empty, unique placeholder
+            os.replace(tmp, target)
+            _fsync(target.parent)
+            # the one moved aside now, and any an interrupted save left: a newer one is in place
+            for old, _, _ in _siblings(target, "old"):
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
-        os.replace(target, old)  # onto the empty placeholder mkdtemp made: a unique name
-    os.replace(tmp, target)
-    _fsync(target.parent)
-    # the one moved aside now, and any an interrupted save left: a whole newer one is in place
-    for stale in target.parent.glob(target.name + ".old-*"):
-        shutil.rmtree(stale, ignore_errors=True)
     return target
+
+
+def _scratch(target: Path, kind: str) -> Path:
+    """A new empty `<name>.<kind>-<host>-<pid>-XXXX` beside `target`: the host and pid tell a
+    later save whether the process that made it still runs."""
+    prefix = f"{target.name}.{kind}-{_host()}-{os.getpid()}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+
+
+def _siblings(target: Path, kind: str) -> Iterator[tuple[Path, str | None, int | None]]:
+    """`target`'s `.tmp-` or `.old-` directories with the host and pid that made them (None for
+    format 1's `<name>.<kind>-XXXX`). Matched by the exact name: a glob built from it would
+    let `best*` or `a[1]` match other checkpoints' directories."""
+    pattern = re.compile(re.escape(target.name) + rf"\.{kind}-(?:([\w.-]+)-(\d+)-)?\w+")
+    if not target.parent.is_dir():
+        return
+    for path in target.parent.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match is not None:
+            host, pid = match.groups()
+            yield path, host, None if pid is None else int(pid)
+
+
+def _remove_killed_saves(target: Path) -> None:
+    """Delete the `.tmp-` directories that saves of `target` killed on this host left (each a
+    checkpoint's worth of disk). Kept: those of live processes, of other hosts (their pids
+    mean nothing here) and of format 1 (no pid to tell)."""
+    for path, host, pid in _siblings(target, "tmp"):
+        if host == _host() and pid is not None and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _host() -> str:
+    return re.sub(r"[^\w.-]", "_", socket.gethostname()) or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold an flock on `directory`: saves into it rename one at a time, so two processes
+    saving the same path cannot move each other's directories away. Where the filesystem has
+    no flock (some NFS mounts), it runs unlocked."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        with suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _file_crc(file: Path) -> str:
+    crc = 0
+    with open(file, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _tensor_crc(tensor: torch.Tensor) -> str:
+    """CRC-32 of a contiguous CPU tensor's bytes, as the file holds them."""
+    return f"{zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy()):08x}"
 
 
 def _fsync(path: Path) -> None:
@@ -370,6 +503,14 @@ class Checkpoint:
     def apply(self, engine: Engine, *, strict: bool = True, rng: bool = True) -> None:
         """Restore parameters (copied into the engine's own tensors: the optimizer and the
         chunk homes keep theirs), optimizer, scheduler, loss scaler, step and RNG."""
+        ranks = self.meta.get("ranks", 1)
+        if ranks != 1:
+            raise CheckpointError(
+                f"{self.path} was saved by {ranks} tensor-parallel ranks: its training state is "
+                "rank 0's (RNG, optimizer state of its shards only), so it cannot resume a run; "
+                "load its parameters into the model before compile (fxstar.load(dir, model)) "
+                "and start the optimizer afresh"
+            )
         self.check(engine.state_dict())
         copy_parameters(engine, self.parameters)
         engine.zero_grad(set_to_none=True)
@@ -419,7 +560,7 @@ def resolve(path: str | os.PathLike) -> Path:
     target = Path(path).absolute()
     if (target / STATE).exists():
         return target
-    olds = [p for p in target.parent.glob(target.name + ".old-*") if (p / STATE).exists()]
+    olds = [p for p, _, _ in _siblings(target, "old") if (p / STATE).exists()]
     if not target.exists() and olds:
         old = max(olds, key=lambda p: (p / STATE).stat().st_mtime)
         warnings.warn(f"{target} missing: loading {old}, left by an interrupted save", stacklevel=3)
@@ -430,13 +571,8 @@ def resolve(path: str | os.PathLike) -> Path:
 def load_parameters(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The parameters of a checkpoint under every model name (tied names share one tensor):
     `model.load_state_dict(load_parameters(dir))` works on the original eager model."""
-    file = resolve(path) / PARAMETERS
-    params = load_file(file)
-    with safe_open(file, "pt") as f:
-        aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
-    for alias, name in aliases.items():
-        params[alias] = params[name]
-    return params
+    directory = resolve(path)
+    return _parameters(directory, _meta(directory))
 
 
 def load(path: str | os.PathLike, model: nn.Module | None = None) -> Checkpoint:
@@ -444,18 +580,111 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> Checkpoint:
     parameters into it (before `fxstar.compile`: a model keeps its weights through compile).
     `Checkpoint.apply(engine)` or `engine.load(dir)` restores an engine."""
     directory = resolve(path)
-    meta = json.loads((directory / STATE).read_text(encoding="utf-8"))
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{directory / STATE}: not an fxstar checkpoint")
-    if meta.get("version", 0) > VERSION:
-        raise CheckpointError(
-            f"{directory}: checkpoint format {meta['version']} is newer than this fxstar's "
-            f"({VERSION})"
-        )
-    tensors = load_file(directory / meta.get("tensors", TENSORS))
-    checkpoint = Checkpoint(
-        directory, load_parameters(directory), _from_json(meta.pop("state"), tensors), meta
-    )
+    meta = _meta(directory)
+    tensors, _ = _read_tensors(directory, meta, meta.get("tensors", TENSORS))
+    with _reading(directory / STATE):
+        state = _from_json(meta.pop("state"), tensors)
+        step = state["step"]  # what every resume reads: missing, it is named here
+        _ = int(step["micro_steps"]), int(step["optimizer_steps"]), state["rng"], state["optimizer"]
+    checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta)
     if model is not None:
         checkpoint.load_into(model)
     return checkpoint
+
+
+@contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """Turn what a damaged or edited `file` raises (JSONDecodeError, KeyError, SafetensorError,
+    a missing file...) into a CheckpointError that names it and says what would fix it."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (SafetensorError, OSError, LookupError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(
+            f"{file} cannot be read ({type(e).__name__}: {e}): it is damaged, missing or was "
+            f"edited; {FIX}"
+        ) from e
+
+
+def _meta(directory: Path) -> dict[str, Any]:
+    """training.json, checked: an fxstar checkpoint of a format this fxstar reads."""
+    file = directory / STATE
+    with _reading(file):
+        meta = json.loads(file.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointError(f"{file}: not an fxstar checkpoint")
+        if meta["version"] > VERSION:
+            raise CheckpointError(
+                f"{directory}: checkpoint format {meta['version']} is newer than this fxstar's "
+                f"({VERSION}); load it with a newer fxstar"
+            )
+        if meta["version"] < 2:
+            warnings.warn(
+                f"{directory} has no checksums (checkpoint format {meta['version']}): damage to "
+                "its files cannot be detected; save it again to add them",
+                stacklevel=3,
+            )
+    return meta
+
+
+def _member(directory: Path, name: Any) -> Path:
+    """The file `name` (from training.json) of the checkpoint, refused unless it lies in the
+    directory: an edited training.json must not make load read `../x` or `/etc/...`."""
+    path = directory / name if isinstance(name, str) else None
+    if path is None or path.resolve().parent != directory.resolve():
+        raise CheckpointError(
+            f"{directory / STATE} names {name!r} as one of its files, which is not a file in "
+            f"{directory}: only the checkpoint's own files are read; {FIX}"
+        )
+    return path
+
+
+def _read_tensors(
+    directory: Path, meta: Mapping[str, Any], name: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and header metadata of a safetensors file of the checkpoint, its size and
+    checksum checked first against those training.json recorded (format 2)."""
+    with _reading(directory / STATE):
+        file = _member(directory, name)
+        record = meta["files"][name] if meta["version"] >= 2 else None  # format 1: no checksums
+        if record is not None:
+            size, crc, crcs = int(record["bytes"]), str(record["crc32"]), dict(record["tensors"])
+    with _reading(file):
+        if record is not None:
+            _verify(file, size, crc, crcs)
+        with safe_open(file, "pt") as f:
+            keys = f.keys()  # safe_open is not iterable
+            return {k: f.get_tensor(k) for k in keys}, f.metadata() or {}
+
+
+def _verify(file: Path, size: int, crc: str, crcs: Mapping[str, str]) -> None:
+    """A flipped bit or a truncated file is an error naming the file (and the tensors whose
+    bytes changed, where its header still reads), never a silently wrong weight."""
+    actual = file.stat().st_size
+    if actual != size:
+        raise CheckpointError(
+            f"{file} is {actual} bytes, but was saved with {size}: it was truncated or "
+            f"replaced; {FIX}"
+        )
+    if _file_crc(file) == crc:
+        return
+    try:
+        with safe_open(file, "pt") as f:
+            keys = f.keys()  # safe_open is not iterable
+            changed = [k for k in keys if crcs.get(k) != _tensor_crc(f.get_tensor(k))]
+    except Exception:  # a damaged header: the file alone is named
+        changed = []
+    which = f" (tensors whose bytes changed: {', '.join(changed)})" if changed else ""
+    raise CheckpointError(
+        f"{file} does not match the checksum {STATE} recorded when it was saved{which}: the "
+        f"file is damaged; {FIX}"
+    )
+
+
+def _parameters(directory: Path, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    params, header = _read_tensors(directory, meta, PARAMETERS)
+    with _reading(directory / PARAMETERS):
+        for alias, name in json.loads(header.get(ALIASES_KEY, "{}")).items():
+            params[alias] = params[name]
+    return params

@@ -4,22 +4,36 @@ fxstar dump fxstar.models.gpt:tiny --passes shape_memory
 fxstar diff fxstar.models.gpt:tiny capture shape_memory --passes shape_memory
 fxstar plan examples/my_model.py:make --plan plan.json
 fxstar train --steps 200
+fxstar train examples/my_model.py:make --steps 20 --device-memory 50%
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from fxstar.plan import Plan
+from fxstar.sizes import Share
 
 DEVICE_MEMORY_HELP = (
     "compute-tier budget, e.g. 64MiB or 40%% (of the parameter bytes): parameters are paged "
     "through it in chunks"
 )
 EPILOG = """TARGET is MODULE:FACTORY: a dotted module or a .py file, and a callable in it that
-returns (model, example_inputs[, plan]). fxstar.models.gpt:tiny is the reference GPT."""
+returns (model, example_inputs[, plan]); example_inputs may be a dict of keyword inputs (a
+transformers batch with its labels). fxstar.models.gpt:tiny is the reference GPT."""
+# `fxstar train`'s GPT size: flag -> (TrainConfig field, default, default with a share as
+# --device-memory). The second is `make demo`'s paged GPT: at the first size activations
+# outweigh the parameters eight times over, so no share of the parameters could hold them.
+SIZES = {
+    "layers": ("n_layer", 4, 4),
+    "heads": ("n_head", 4, 8),
+    "width": ("n_embd", 128, 512),
+    "batch_size": ("batch_size", 8, 2),
+    "seq_len": ("seq_len", 64, 32),
+}
 
 
 def _plan(args: argparse.Namespace, base: Plan | None = None) -> Plan:
@@ -36,37 +50,42 @@ def _plan(args: argparse.Namespace, base: Plan | None = None) -> Plan:
 
 
 def _engine(args: argparse.Namespace, extra_passes: tuple[str, ...] = ()):
+    """(engine, the user's plan, the passes this command added to it): a command's own
+    passes (plan's shape_memory) are not the user's choice and are reported apart."""
     from fxstar.engine import compile
     from fxstar.targets import load_target
 
     target = load_target(args.target)
     plan = _plan(args, target.plan)
-    missing = [p for p in extra_passes if p not in plan.passes]
-    if missing:
-        plan = plan.replace(passes=[*plan.passes, *missing])
-    return compile(target.model, plan, example_inputs=target.example_inputs)
+    added = tuple(p for p in extra_passes if p not in plan.passes)
+    compiled = plan.replace(passes=[*plan.passes, *added]) if added else plan
+    engine = compile(target.model, compiled, example_inputs=target.example_inputs,
+                     example_kwargs=target.example_kwargs)  # fmt: skip
+    return engine, plan, added
 
 
 def cmd_dump(args: argparse.Namespace) -> None:
     from fxstar.dump import dump
 
-    print(dump(_engine(args), args.stage, show_noise=args.show_noise), end="")
+    print(dump(_engine(args)[0], args.stage, show_noise=args.show_noise), end="")
 
 
 def cmd_diff(args: argparse.Namespace) -> None:
     from fxstar.dump import diff
 
     color = {"auto": None, "always": True, "never": False}[args.color]
-    text = diff(_engine(args), args.a, args.b, color=color)
+    text = diff(_engine(args)[0], args.a, args.b, color=color)
     print(text or f"stages {args.a} and {args.b} are identical", end="" if text else "\n")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from fxstar.estimate import format_estimate
 
-    engine = _engine(args, extra_passes=("shape_memory",))
-    used = engine.plan.used_options()
+    engine, plan, added = _engine(args, extra_passes=("shape_memory",))
+    used = plan.used_options()
     print("plan: " + (", ".join(used) if used else "all defaults"))
+    if added:
+        print(f"(fxstar plan runs {', '.join(added)} for its estimate; not part of the plan)")
     print(format_estimate(engine.program))
     if engine.chunks is not None:
         print(engine.chunks.layout.describe())
@@ -74,25 +93,79 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from fxstar.train import TrainConfig, train, write_json
+    from fxstar.passes.chunk_layout import uses_chunks
+    from fxstar.train import TrainConfig, train, train_target, write_json
 
+    # everything checkable is checked before training: a mistake found after it loses the run
+    for flag, path in (("--timeline", args.timeline), ("--json", args.json)):
+        if path is not None:
+            _check_output(flag, path)
+    target = None
+    if args.target is not None:
+        from fxstar.targets import load_target
+
+        ignored = [f"--{f.replace('_', '-')}" for f in SIZES if getattr(args, f) is not None]
+        ignored += ["--data"] if args.data is not None else []
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: the reference GPT's options; TARGET's "
+                             "factory makes its own model and inputs")  # fmt: skip
+        target = load_target(args.target)
+    plan = _plan(args, target.plan if target is not None else None)
+    if args.timeline is not None and not uses_chunks(plan):
+        raise ValueError("--timeline: draws the chunk engine's memory; give --device-memory")
+    if target is not None:
+        result = train_target(target, plan, steps=args.steps, log_every=args.log_every,
+                              timeline=args.timeline, progress=not args.no_progress)  # fmt: skip
+        if args.json:
+            write_json(args.json, {"target": args.target, "steps": args.steps}, plan, result)
+            print(f"wrote {args.json}")
+        return
+    paged = isinstance(plan.device_memory, Share)
+    sizes = {}
+    for flag, (field, default, paged_default) in SIZES.items():
+        given = getattr(args, flag)
+        sizes[field] = given if given is not None else paged_default if paged else default
+    if paged and any(getattr(args, flag) is None for flag in SIZES):
+        print(f"device_memory {plan.device_memory} of the parameters: sizes not given are "
+              "the larger demo GPT's, whose parameters outweigh its activations")  # fmt: skip
     config = TrainConfig(
         steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        n_layer=args.layers,
-        n_head=args.heads,
-        n_embd=args.width,
+        **sizes,
         seed=args.seed,
         log_every=args.log_every,
         data=args.data,
         timeline=args.timeline,
     )
-    plan = _plan(args)
     result = train(config, plan, progress=not args.no_progress)
     if args.json:
         write_json(args.json, config, plan, result)
         print(f"wrote {args.json}")
+
+
+def _check_output(flag: str, path: str) -> None:
+    """`path` can be written: its directory exists and is writable, and it is not a folder."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{flag} {path}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def _count(minimum: int):
+    """An argparse type: an int >= minimum (argparse then reports a bad value as usage)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,20 +195,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = compiled("plan", "memory estimate of one training step under a plan")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("train", help="train the reference GPT on a small text (the demo)")
+    about = "train the reference GPT on a small text (the demo), or TARGET on its example inputs"
+    paged = (
+        "With a share as --device-memory (40%), the GPT's sizes not given default to a "
+        "larger model whose parameters outweigh its activations, so the share holds both."
+    )
+    p = sub.add_parser("train", help=about, description=f"{about}. {paged}", epilog=EPILOG)
+    p.add_argument("target", metavar="TARGET", nargs="?",
+                   help="MODULE:FACTORY whose model returns its loss; trained on its example "
+                   "inputs, the same batch every step (default: the reference GPT)")  # fmt: skip
     p.add_argument("--plan", metavar="PLAN.json", help="plan options as JSON")
     p.add_argument("--passes", metavar="A,B", help="passes to run in addition to the plan's")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--steps", type=_count(1), default=200)
+    for flag, (field, default, paged) in SIZES.items():
+        p.add_argument(
+            f"--{flag.replace('_', '-')}",
+            type=_count(1),
+            help=f"the GPT's {field} (default {default}; {paged} with a share)",
+        )
     p.add_argument("--lr", type=float, help="learning rate (default: the plan's)")
     p.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
     p.add_argument("--timeline", metavar="PNG", help="with --device-memory: memory per moment")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
+    p.add_argument("--log-every", type=_count(0), default=10,
+                   help="print the loss every N steps (0: never)")  # fmt: skip
     p.add_argument("--data", metavar="TEXT_FILE", help="train on this text instead")
     p.add_argument("--json", metavar="PATH", help="write losses and the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -158,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (FxstarError, PlanError, NotImplementedError, ValueError, LookupError, ImportError,
-            OSError) as error:  # fmt: skip
+            OSError, MemoryError) as error:  # fmt: skip
         print(f"fxstar {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     return 0

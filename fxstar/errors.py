@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
+    "EngineStateError",
     "FxstarError",
     "IRError",
     "PassOrderError",
@@ -46,6 +48,17 @@ class CaptureError(FxstarError):
         if hint:
             lines.append(f"  try: {hint}")
         super().__init__("\n".join(lines))
+
+
+class CheckpointError(FxstarError, ValueError):
+    """A checkpoint that does not fit the model (every difference listed), or is unreadable:
+    damaged, truncated or edited files, each named with what would fix it."""
+
+
+class EngineStateError(FxstarError, RuntimeError):
+    """The model or the engine was changed in a way the compiled engine cannot follow (a
+    parameter replaced, a dtype or device change under the chunk engine, a second engine
+    over the same parameters): says what to do instead."""
 
 
 class PassOrderError(FxstarError, ValueError):

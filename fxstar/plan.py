@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import json
 import math
 import os
@@ -50,6 +51,8 @@ def _type_error(name: str, expected: str, value: object) -> PlanError:
 
 
 def _bound_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if lo is None and hi is None:
+        return "a finite number"
     if lo is not None and hi is not None:
         return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
     if lo is not None:
@@ -64,13 +67,19 @@ def _in_bounds(v: float, lo, hi, lo_open: bool, hi_open: bool) -> bool:
 
 
 def _real(lo=None, hi=None, *, lo_open=False, hi_open=False, optional=False) -> Check:
+    """A finite number within the bounds: inf and nan never make sense as an option and would
+    reach the kernels as NaN parameters or a loss scale that skips every step."""
+
     def check(v, name):
         if v is None and optional:
             return None
         if isinstance(v, bool) or not isinstance(v, int | float):
             raise _type_error(name, "a number" + (" or None" if optional else ""), v)
-        if math.isnan(v) or not _in_bounds(v, lo, hi, lo_open, hi_open):
-            raise PlanError(f"{name}: must be {_bound_text(lo, hi, lo_open, hi_open)}, got {v!r}")
+        if not math.isfinite(v) or not _in_bounds(v, lo, hi, lo_open, hi_open):
+            bounds = _bound_text(lo, hi, lo_open, hi_open)
+            if (lo is None) != (hi is None):
+                bounds += " and finite"
+            raise PlanError(f"{name}: must be {bounds}, got {v!r}")
         return float(v)
 
     return check
@@ -115,13 +124,22 @@ def _names(v, name) -> tuple[str, ...]:
     return tuple(v)
 
 
+MAX_SIZE = 2**63 - 1  # bytes: an int64 (torch's sizes) and a size_t hold it
+
+
 def _size(v, name) -> Size | None:
     if v is None:
         return None
     try:
-        return parse_size(v, name)
+        size = parse_size(v, name)
     except ValueError as error:
         raise PlanError(str(error)) from None
+    if isinstance(size, int) and size > MAX_SIZE:
+        raise PlanError(
+            f"{name}: must be at most 2**63 - 1 bytes (an int64), got {v!r}; give a budget "
+            "the machine can hold, like '4GiB' or '30%'"
+        )
+    return size
 
 
 def _chunk_size(v, name):
@@ -232,11 +250,26 @@ class _Group:
         """Build from a dict; missing keys take defaults, unknown keys are a PlanError."""
         if not isinstance(data, Mapping):
             raise _type_error(cls._prefix, f"a {cls.__name__} or a dict of its options", data)
-        _check_keys(data, [f.name for f in _options(cls)], cls._prefix + ".")
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
+
+
+def _named_options(cls):
+    """Class decorator: an unknown keyword is a PlanError with a suggestion (as from a dict),
+    not the dataclass's bare TypeError."""
+    init = cls.__init__
+    prefix = f"{cls._prefix}." if getattr(cls, "_prefix", "") else ""
+    known = [f.name for f in _options(cls)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        _check_keys(kwargs, known, prefix)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 def _group(cls: type[_Group], *, optional: bool, scalar: str | None = None) -> Check:
@@ -258,7 +291,15 @@ def _group(cls: type[_Group], *, optional: bool, scalar: str | None = None) -> C
 # ---------------------------------------------------------------------------------------------
 # Option groups.
 
+# Beyond these a run only diverges, to NaN parameters or to a loss scale that skips every step.
+MAX_LR = 10.0
+MIN_EPS = 2.0**-126  # float32's smallest normal: the kernels add eps in float32, and 0 gives 0/0
+MAX_EPS = 1.0
+MAX_WEIGHT_DECAY = 10.0
+MAX_LOSS_SCALE = 2.0**64  # as 2**initial_scale_power at its largest
 
+
+@_named_options
 @dataclass(frozen=True)
 class OptimizerConfig(_Group):
     """The optimizer run over the parameters (over the chunks when hybrid_adam is on)."""
@@ -269,15 +310,22 @@ class OptimizerConfig(_Group):
         "adamw", check=_choice("adamw", "adam", "sgd"),
         doc="'adamw' (decoupled weight decay), 'adam' (L2 added to the gradient) or 'sgd'.",
     )  # fmt: skip
-    lr: float = _option(1e-3, check=_real(0, lo_open=True), doc="Learning rate.")
+    lr: float = _option(
+        1e-3, check=_real(0, MAX_LR, lo_open=True),
+        doc="Learning rate. With 'adamw' or 'sgd', lr * weight_decay must stay below 1.",
+    )  # fmt: skip
     betas: tuple[float, float] = _option(
         (0.9, 0.999), check=_betas,
         doc="Adam's (beta1, beta2), each in [0, 1); sgd uses beta1 as momentum.",
     )  # fmt: skip
-    eps: float = _option(1e-8, check=_real(0, lo_open=True), doc="Adam's denominator epsilon.")
+    eps: float = _option(
+        1e-8, check=_real(MIN_EPS, MAX_EPS),
+        doc="Adam's denominator epsilon (at least float32's smallest normal, 2**-126).",
+    )  # fmt: skip
     weight_decay: float = _option(
-        0.0, check=_real(0), doc="Weight decay, applied to parameters not matched by no_decay."
-    )
+        0.0, check=_real(0, MAX_WEIGHT_DECAY),
+        doc="Weight decay, applied to parameters not matched by no_decay.",
+    )  # fmt: skip
     no_decay: tuple[str, ...] = _option(
         ("bias", "norm", "ln_", "layernorm"), check=_names,
         doc="Parameter-name patterns exempt from weight decay. A pattern with a glob character "
@@ -294,6 +342,18 @@ class OptimizerConfig(_Group):
         doc="Micro-batches whose gradients are summed before one optimizer step.",
     )  # fmt: skip
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # adamw and sgd scale each weight by (1 - lr * weight_decay) every step: at 1 or more
+        # the weights are zeroed or flip sign
+        shrink = self.lr * self.weight_decay
+        if self.type in ("adamw", "sgd") and shrink >= 1:
+            raise PlanError(
+                f"optimizer.weight_decay: lr * weight_decay must be < 1 for {self.type!r} (each "
+                f"step scales the weights by 1 - lr * weight_decay), got {self.lr:g} * "
+                f"{self.weight_decay:g} = {shrink:g}; lower one of them"
+            )
+
     def decays(self, param_name: str) -> bool:
         """Whether weight decay applies to the parameter called `param_name`."""
         lowered = param_name.lower()
@@ -306,6 +366,7 @@ class OptimizerConfig(_Group):
         return True
 
 
+@_named_options
 @dataclass(frozen=True)
 class LossScaleConfig(_Group):
     """Loss scaling for fp16 (ignored for fp32 and bf16); names follow DeepSpeed/PatrickStar."""
@@ -313,8 +374,9 @@ class LossScaleConfig(_Group):
     _prefix: ClassVar[str] = "loss_scale"
 
     loss_scale: float = _option(
-        0.0, check=_real(0), doc="A fixed loss scale; 0 = dynamic scaling (the settings below)."
-    )
+        0.0, check=_real(0, MAX_LOSS_SCALE),
+        doc="A fixed loss scale; 0 = dynamic scaling (the settings below).",
+    )  # fmt: skip
     initial_scale_power: int = _option(
         16, check=_integer(0, 64), doc="Dynamic scaling starts at 2**initial_scale_power."
     )
@@ -325,10 +387,26 @@ class LossScaleConfig(_Group):
         2, check=_integer(1), doc="Overflows tolerated before the scale is halved."
     )
     min_loss_scale: float = _option(
-        1.0, check=_real(0, lo_open=True), doc="Dynamic scaling never goes below this."
-    )
+        1.0, check=_real(0, MAX_LOSS_SCALE, lo_open=True),
+        doc="Dynamic scaling never goes below this; at most 2**initial_scale_power.",
+    )  # fmt: skip
+    warn_after_skips: int = _option(
+        10, check=_integer(0),
+        doc="Warn, once per streak, when this many steps in a row were skipped for overflow: "
+        "scaling alone is not fixing it (a NaN loss, too high an lr). 0 = never.",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.loss_scale == 0 and self.min_loss_scale > 2.0**self.initial_scale_power:
+            raise PlanError(
+                f"loss_scale.min_loss_scale: must be at most the initial scale "
+                f"2**initial_scale_power = {2.0**self.initial_scale_power:g}, got "
+                f"{self.min_loss_scale:g}; lower it or raise initial_scale_power"
+            )
 
 
+@_named_options
 @dataclass(frozen=True)
 class TiledLinearConfig(_Group):
     """Split large linears into tiles so one tile's weight, not the whole, is resident."""
@@ -342,6 +420,7 @@ class TiledLinearConfig(_Group):
     )
 
 
+@_named_options
 @dataclass(frozen=True)
 class TensorParallelConfig(_Group):
     """Megatron-style tensor parallelism over the captured graph."""
@@ -375,6 +454,7 @@ _ACTIVATIONS = "the activation passes"
 _DIST = "distributed chunks"
 
 
+@_named_options
 @dataclass(frozen=True)
 class Plan:
     """Every option of an fxstar run. Build it directly, or with from_dict/from_json.
@@ -530,7 +610,6 @@ class Plan:
             raise _type_error("plan", "a dict of options", data)
         if _is_patrickstar(data):
             return cls.from_patrickstar(data)
-        _check_keys(data, option_names())
         return cls(**data)
 
     @classmethod

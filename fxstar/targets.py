@@ -3,7 +3,8 @@
 MODULE is a dotted module name (`fxstar.models.gpt`) or a path to a Python file
 (`examples/my_model.py`). FACTORY is a callable in it, called without arguments, that returns
 `(model, example_inputs)`, `(model, example_inputs, plan)`, or a dict with the keys `model`,
-`example_inputs` and optionally `plan`.
+`example_inputs` and optionally `example_kwargs` and `plan`. Example inputs given as a dict
+are keyword inputs, as a transformers batch is passed: `model(**batch)` (`labels` included).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -20,26 +23,40 @@ from torch import nn
 
 from fxstar.plan import Plan
 
+_DICT_KEYS = ("model", "example_inputs", "example_kwargs", "plan")
+
 
 @dataclass
 class Target:
     model: nn.Module
     example_inputs: tuple
     plan: Plan | None = None
+    example_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _module(name: str) -> ModuleType:
     if name.endswith(".py") or os.sep in name:
-        path = os.path.abspath(name)
-        if not os.path.isfile(path):
-            raise ValueError(f"{name!r}: no such file")
-        module_name = os.path.splitext(os.path.basename(path))[0]
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-        return module
+        return _file_module(name)
     return importlib.import_module(name)
+
+
+def _file_module(name: str) -> ModuleType:
+    """Run a .py file as a module of a private name: a file called numpy.py or json.py must
+    not replace that module in sys.modules for everything imported after it."""
+    path = os.path.abspath(name)
+    if not os.path.isfile(path):
+        raise ValueError(f"{name!r}: no such file")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    module_name = f"_fxstar_target_{zlib.crc32(path.encode()):08x}_{stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
 
 
 def load_target(spec: str) -> Target:
@@ -62,13 +79,15 @@ def load_target(spec: str) -> Target:
 
 
 def _as_target(spec: str, result: Any) -> Target:
+    kwargs: Any = {}
     if isinstance(result, dict):
-        unknown = set(result) - {"model", "example_inputs", "plan"}
+        unknown = set(result) - set(_DICT_KEYS)
         if unknown or "model" not in result or "example_inputs" not in result:
             raise ValueError(
                 f"{spec}: the factory's dict needs the keys 'model' and 'example_inputs' "
-                f"(and optionally 'plan'); got {sorted(result)}"
+                f"(and optionally 'example_kwargs', 'plan'); got {sorted(result)}"
             )
+        kwargs = result.get("example_kwargs") or {}
         result = (result["model"], result["example_inputs"], result.get("plan"))
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise ValueError(
@@ -80,5 +99,9 @@ def _as_target(spec: str, result: Any) -> Target:
         raise ValueError(f"{spec}: the factory's model is a {type(model).__name__}, not a Module")
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.from_dict(plan)
+    if isinstance(inputs, Mapping):  # a batch of keyword inputs
+        inputs, kwargs = (), {**inputs, **kwargs}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"{spec}: example_kwargs must be a dict of name -> input, got {kwargs!r}")
     inputs = tuple(inputs) if isinstance(inputs, list | tuple) else (inputs,)
-    return Target(model, inputs, plan)
+    return Target(model, inputs, plan, dict(kwargs))

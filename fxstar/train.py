@@ -1,7 +1,8 @@
-"""The demo job behind `fxstar train`: the reference GPT, character-level, on a small text.
+"""The job behind `fxstar train`: the reference GPT, character-level, on a small text; or a
+user's MODULE:FACTORY target on its example inputs.
 
 It trains through `fxstar.compile` exactly as a user's loop would, shows a progress bar, logs
-the loss per step, evaluates on held-out text, and ends with the engine's report.
+the loss per step, evaluates the GPT on held-out text, and ends with the engine's report.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -19,6 +22,7 @@ from tqdm import tqdm
 from fxstar.engine import compile
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.plan import Plan
+from fxstar.targets import Target
 
 
 @dataclass
@@ -40,7 +44,8 @@ class TrainConfig:
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_loss: float = math.nan
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = 0.0  # the GPT demo only
+    steps_per_second: float = 0.0
     compile_seconds: float = 0.0
     report: str = ""
 
@@ -101,28 +106,14 @@ def train(config: TrainConfig, plan: Plan, *, progress: bool = True) -> TrainRes
         f"batch {config.batch_size} x {config.seq_len} tokens"
     )
     result = TrainResult()
-    idx, targets = data.batch(config.batch_size)
-    start = time.perf_counter()
-    engine = compile(model, plan, example_inputs=(idx, targets))  # captures and runs passes now
-    result.compile_seconds = time.perf_counter() - start
-    passes = ", ".join(engine.pass_manager.names) or "none"
-    print(f"compiled in {result.compile_seconds:.1f}s; passes: {passes}")
+    first = data.batch(config.batch_size)
+    engine = _compile(model, plan, first, {}, result)
 
-    bar = tqdm(range(config.steps), desc="train", unit="step", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)  # fmt: skip
-    start = time.perf_counter()
-    for step in bar:
-        if step:
-            idx, targets = data.batch(config.batch_size)
-        loss = engine(idx, targets)
-        loss.backward()
-        engine.step()
-        result.losses.append(loss.item())
-        bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
-        if config.log_every and (step % config.log_every == 0 or step == config.steps - 1):
-            tqdm.write(f"step {step:>5}  loss {result.losses[-1]:.4f}")
-    elapsed = time.perf_counter() - start
-    result.tokens_per_second = config.steps * config.batch_size * config.seq_len / elapsed
+    def batch(step: int) -> tuple[tuple, dict]:
+        return (first if step == 0 else data.batch(config.batch_size)), {}
+
+    elapsed = _loop(engine, batch, config.steps, config.log_every, progress, result)
+    result.tokens_per_second = result.steps_per_second * config.batch_size * config.seq_len
 
     engine.eval()
     with torch.no_grad():
@@ -131,17 +122,108 @@ def train(config: TrainConfig, plan: Plan, *, progress: bool = True) -> TrainRes
     result.eval_loss = sum(losses) / len(losses)
     print(
         f"trained {config.steps} steps in {elapsed:.1f}s ({result.tokens_per_second:,.0f} "
-        f"tokens/s); train loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out "
-        f"loss {result.eval_loss:.3f} (uniform guess: {math.log(data.vocab_size):.3f})"
+        "tokens/s); train loss "
+        f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out loss "
+        f"{result.eval_loss:.3f} (uniform guess: {math.log(data.vocab_size):.3f})"
     )
-    result.report = engine.report()
-    print(result.report)
-    if config.timeline:
-        print(f"memory timeline: {engine.memory_timeline(config.timeline)}")
+    _finish(engine, result, config.timeline)
     return result
 
 
-def write_json(path: str, config: TrainConfig, plan: Plan, result: TrainResult) -> None:
-    payload = {"config": asdict(config), "plan": json.loads(plan.to_json()), **asdict(result)}
+def train_target(
+    target: Target,
+    plan: Plan,
+    *,
+    steps: int,
+    log_every: int = 10,
+    timeline: str | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train a MODULE:FACTORY target on its example inputs, the same batch every step: the
+    whole path (capture, passes, chunks, optimizer) on the user's own model, without a data
+    loader. The model must return its loss (a tensor, a 'loss' entry, or first in a tuple)
+    or the plan must set loss_fn."""
+    model = target.model
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__}: {n_params / 1e6:.2f}M parameters; its example inputs, "
+          f"repeated for {steps} steps")  # fmt: skip
+    result = TrainResult()
+    engine = _compile(model, plan, target.example_inputs, target.example_kwargs, result)
+    elapsed = _loop(engine, lambda step: (target.example_inputs, target.example_kwargs), steps,
+                    log_every, progress, result)  # fmt: skip
+    print(f"trained {steps} steps in {elapsed:.1f}s; loss {result.losses[0]:.4f} -> "
+          f"{result.losses[-1]:.4f}")  # fmt: skip
+    _finish(engine, result, timeline)
+    return result
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output: the output itself, its 'loss' entry (transformers'
+    ModelOutput), or the first element of a tuple."""
+    loss = output
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, tuple | list) and output:
+        loss = output[0]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"the model must return its loss (a scalar tensor, a 'loss' entry or first in a "
+            f"tuple) to be trained; got {got}. Pass the labels in the example inputs, or set "
+            "plan.loss_fn"
+        )
+    return loss
+
+
+def _compile(model, plan: Plan, args: tuple, kwargs: dict, result: TrainResult):
+    start = time.perf_counter()
+    engine = compile(model, plan, example_inputs=args, example_kwargs=kwargs)  # captures now
+    result.compile_seconds = time.perf_counter() - start
+    passes = ", ".join(engine.pass_manager.names) or "none"
+    print(f"compiled in {result.compile_seconds:.1f}s; passes: {passes}")
+    return engine
+
+
+def _loop(
+    engine,
+    batch: Callable[[int], tuple[tuple, dict]],
+    steps: int,
+    log_every: int,
+    progress: bool,
+    result: TrainResult,
+) -> float:
+    """`steps` training steps on `batch(step)`: forward, backward, optimizer step, logging.
+    Returns the seconds they took."""
+    bar = tqdm(range(steps), desc="train", unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+    start = time.perf_counter()
+    for step in bar:
+        args, kwargs = batch(step)
+        loss = loss_of(engine(*args, **kwargs))
+        loss.backward()
+        engine.step()
+        result.losses.append(loss.item())
+        bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            tqdm.write(f"step {step:>5}  loss {result.losses[-1]:.4f}")
+    elapsed = time.perf_counter() - start
+    result.steps_per_second = steps / elapsed
+    return elapsed
+
+
+def _finish(engine, result: TrainResult, timeline: str | None) -> None:
+    result.report = engine.report()
+    print(result.report)
+    if timeline:
+        print(f"memory timeline: {engine.memory_timeline(timeline)}")
+
+
+def write_json(
+    path: str, config: TrainConfig | Mapping[str, Any], plan: Plan, result: TrainResult
+) -> None:
+    """The run as JSON; `config` is a TrainConfig, or a dict describing a target's run."""
+    config = dict(config) if isinstance(config, Mapping) else asdict(config)
+    payload = {"config": config, "plan": json.loads(plan.replace(loss_fn=None).to_json()),
+               **asdict(result)}  # fmt: skip
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)

@@ -1,7 +1,16 @@
 """Checkpoints: exact resume (plain and chunk engine), weights kept through compile, eager
-loading, mismatches listed, and a save that fails halfway leaves the previous checkpoint."""
+loading, mismatches listed, a save that fails halfway leaves the previous checkpoint; damaged
+or edited files are errors naming them, names are never globs, killed saves are cleaned up,
+concurrent writers and tensor-parallel ranks leave one whole checkpoint."""
 
+import json
 import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +19,12 @@ from safetensors import safe_open
 
 import fxstar
 import fxstar.checkpoint as ckpt
+from fxstar.dist_launch import spawn
 from fxstar.engine import compile
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.plan import Plan
+from fxstar.runtime.loss_scale import LossScaler
 
 OPTIMIZER = {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 
@@ -241,3 +252,182 @@ def test_a_low_precision_state_dict_has_the_model_s_own_dtypes():
     state = engine.state_dict()
     assert {k: v.dtype for k, v in state.items()} == {k: torch.float32 for k in state}
     assert torch.equal(state["scale"], model.scale)
+
+
+# -- damaged, edited and oddly named checkpoints; concurrent and killed saves -------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """An engine and its checkpoint after two steps; tests damage copies of the checkpoint."""
+    engine, scheduler = build(plan_for("plain"))
+    train(engine, scheduler, range(2))
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
+    engine.save(path)
+    return engine, path
+
+
+def _copy(path: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(path, tmp_path / path.name))
+
+
+def test_a_flipped_bit_is_an_error_naming_the_file_and_the_tensor(saved, tmp_path):
+    path = _copy(saved[1], tmp_path)
+    file = path / ckpt.PARAMETERS
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x40  # an exponent bit, in the middle of the weights
+    file.write_bytes(data)
+    for read in (fxstar.load, ckpt.load_parameters):
+        with pytest.raises(fxstar.CheckpointError, match="does not match the checksum") as info:
+            read(path)
+        message = str(info.value)
+        assert str(file) in message and "save the checkpoint again" in message
+        (name,) = re.search(r"tensors whose bytes changed: ([^)]*)\)", message).group(1).split(", ")
+        assert name in saved[0].state_dict()
+
+
+def test_a_truncated_file_is_an_error_naming_it_with_or_without_checksums(saved, tmp_path):
+    path = _copy(saved[1], tmp_path)
+    file = path / ckpt.TENSORS
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(fxstar.CheckpointError, match="truncated") as info:
+        fxstar.load(path)
+    assert str(file) in str(info.value)
+    # format 1 had no checksums: it still loads (with a warning), and safetensors' own error
+    # on a truncated file is named too
+    meta = json.loads((path / ckpt.STATE).read_text())
+    del meta["files"]
+    (path / ckpt.STATE).write_text(json.dumps({**meta, "version": 1}))
+    damaged = pytest.raises(fxstar.CheckpointError, match="cannot be read")
+    with pytest.warns(UserWarning, match="no checksums"), damaged as info:
+        fxstar.load(path)
+    assert str(file) in str(info.value)
+    shutil.copy(saved[1] / ckpt.TENSORS, file)
+    with pytest.warns(UserWarning, match="no checksums"):
+        assert fxstar.load(path).step == 2
+
+
+def _edit(path: Path, change) -> None:
+    meta = json.loads((path / ckpt.STATE).read_text())
+    change(meta)
+    (path / ckpt.STATE).write_text(json.dumps(meta))
+
+
+EDITS = {
+    "invalid JSON": lambda path: (path / ckpt.STATE).write_text('{"format": "fxstar-chec'),
+    "missing key": lambda path: _edit(path, lambda meta: meta["state"].pop("step")),
+    "missing tensor": lambda path: _edit(
+        path, lambda meta: meta["state"]["rng"].update(torch={"__tensor__": "nowhere"})
+    ),
+    "checksums gone": lambda path: _edit(path, lambda meta: meta.pop("files", None)),
+    "relative path": lambda path: _edit(path, lambda meta: meta.update(tensors="../outside")),
+    "absolute path": lambda path: _edit(
+        path, lambda meta: meta.update(tensors=str(path.parent / "outside"))
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_an_edited_training_json_is_an_error_naming_it(edit, saved, tmp_path):
+    path = _copy(saved[1], tmp_path)
+    shutil.copy(path / ckpt.TENSORS, tmp_path / "outside")  # what the path edits point at
+    EDITS[edit](path)
+    with pytest.raises(fxstar.CheckpointError) as info:
+        fxstar.load(path)
+    message = str(info.value)
+    assert str(path / ckpt.STATE) in message and "save the checkpoint again" in message
+    if "path" in edit:
+        assert "not a file in" in message
+
+
+def test_loss_scaler_state_sets_only_the_scaler_s_fields(tmp_path):
+    scaler = LossScaler()
+    with pytest.raises(fxstar.CheckpointError, match="unknown fields 'update'"):
+        scaler.load_state_dict({"scale": 8.0, "update": None})  # would shadow the method
+    assert scaler.scale == 2.0**16 and callable(scaler.update)
+    engine = compile(tiny_gpt(), Plan(optimizer=OPTIMIZER), tokens())
+    engine.scaler = LossScaler()
+    engine.save(tmp_path / "ckpt")
+    _edit(tmp_path / "ckpt", lambda meta: meta["state"]["loss_scaler"].update(update=None))
+    with pytest.raises(fxstar.CheckpointError, match="unknown fields 'update'"):
+        engine.load(tmp_path / "ckpt")
+    assert callable(engine.scaler.update)
+
+
+def test_a_save_removes_what_killed_saves_of_its_path_left(saved, tmp_path):
+    engine, _ = saved
+    target = tmp_path / "ckpt"
+    subprocess.run(  # a save killed while writing: its tmp dir stays behind
+        [sys.executable, "-c", "import os, sys, fxstar.checkpoint as c\n"
+         "c.write_atomically(sys.argv[1], lambda tmp: os._exit(0))", str(target)],
+        check=True,
+    )  # fmt: skip
+    (left,) = os.listdir(tmp_path)
+    assert left.startswith("ckpt.tmp-")
+    host, dead = ckpt._host(), left.split("-")[-2]
+    kept = [f"ckpt.tmp-{host}-{os.getpid()}-live0000", f"ckpt.tmp-elsewhere-{dead}-abcd1234",
+            f"ckpt2.tmp-{host}-{dead}-abcd1234"]  # fmt: skip
+    for name in kept:  # a live writer's, another host's, another checkpoint's
+        (tmp_path / name).mkdir()
+    engine.save(target)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *kept])
+
+
+@pytest.mark.parametrize("name", ["a[1]", "a*", "a?"])
+def test_a_name_with_glob_characters_touches_only_its_own_checkpoint(name, saved, tmp_path):
+    engine, _ = saved
+    (tmp_path / "a1").mkdir()  # a neighbour caught by an interrupted save: only its backup
+    backup = Path(shutil.copytree(saved[1], tmp_path / "a1.old-abcd1234"))
+    engine.save(tmp_path / name)
+    engine.save(tmp_path / name)  # the second moves the first aside and deletes it
+    assert sorted(os.listdir(tmp_path)) == sorted([name, "a1", backup.name])
+    assert fxstar.load(tmp_path / name).path == tmp_path / name
+    (tmp_path / "a1").rmdir()
+    with pytest.warns(UserWarning, match="interrupted save"):
+        assert fxstar.load(tmp_path / "a1").path == backup
+
+
+def test_load_of_a_glob_pattern_reads_no_other_checkpoint(saved, tmp_path):
+    shutil.copytree(saved[1], tmp_path / "best1.old-abcd1234")  # best1's interrupted save
+    with pytest.raises(fxstar.CheckpointError, match="no fxstar checkpoint"):
+        fxstar.load(tmp_path / "best*")
+
+
+def test_two_writers_of_one_path_each_leave_a_whole_checkpoint(tmp_path):
+    target, errors = tmp_path / "ckpt", []
+
+    def writer(tag: str) -> None:
+        try:
+            for i in range(30):
+                ckpt.write_atomically(
+                    target, lambda tmp, i=i: (tmp / "who").write_text(f"{tag}{i}")
+                )
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(tag,)) for tag in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert os.listdir(tmp_path) == ["ckpt"] and (target / "who").read_text() in ("a29", "b29")
+
+
+def _save_tensor_parallel(rank: int, world: int, path: str):
+    plan = Plan(tensor_parallel={"size": world}, optimizer={"type": "sgd", "lr": 0.1})
+    engine = compile(tiny_gpt(dropout=0.0), plan, tokens())
+    returned = engine.save(path)  # every rank calls it: the parameters are gathered
+    return returned, sorted(os.listdir(os.path.dirname(path)))
+
+
+def test_tensor_parallel_ranks_save_once_and_return_when_it_is_whole(tmp_path):
+    path = tmp_path / "ckpt"
+    assert spawn(_save_tensor_parallel, 2, str(path)) == [(str(path), ["ckpt"])] * 2
+    model = tiny_gpt(5, dropout=0.0)
+    checkpoint = fxstar.load(path, model)  # the full weights, not rank 0's shards
+    assert checkpoint.meta["ranks"] == 2
+    assert _equal(model.state_dict(), tiny_gpt(dropout=0.0).state_dict())
+    engine = compile(tiny_gpt(), Plan(optimizer=OPTIMIZER), tokens())
+    with pytest.raises(fxstar.CheckpointError, match="2 tensor-parallel ranks"):
+        engine.load(path)

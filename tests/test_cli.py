@@ -1,6 +1,8 @@
 """The `fxstar` command as a user types it."""
 
 import json
+import re
+import sys
 
 import pytest
 
@@ -82,3 +84,107 @@ def test_train_through_the_chunk_engine_draws_the_timeline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "passes: shape_memory, chunk_layout, chunk_schedule" in out
     assert "moved host->compute" in out and png.exists()
+
+
+SMALL = ["--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "16", "--no-progress"]
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--seq-len", "--layers", "--width"])
+def test_train_sizes_below_one_are_usage_errors(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", flag, "0"])
+    assert info.value.code == 2
+    assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_train_width_not_divisible_by_heads(capsys):
+    assert main(["train", "--width", "130", "--heads", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "n_embd: 130 must be divisible by n_head 4" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "message"),
+    [
+        ("--json", "missing/out.json", "the directory .*missing does not exist"),
+        ("--timeline", "missing/t.png", "the directory .*missing does not exist"),
+        ("--json", ".", "is a directory"),
+    ],
+)
+def test_train_output_paths_are_checked_before_training(tmp_path, capsys, flag, path, message):
+    args = ["train", "--steps", "1", *SMALL, "--device-memory", "2MiB", flag, str(tmp_path / path)]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert re.search(message, err) and "GPT:" not in out  # nothing trained
+
+
+def test_train_timeline_needs_the_chunk_engine(tmp_path, capsys):
+    assert main(["train", *SMALL, "--timeline", str(tmp_path / "t.png")]) == 2
+    assert "--timeline: draws the chunk engine's memory" in capsys.readouterr().err
+
+
+def test_an_arena_the_machine_cannot_hold_is_a_one_line_error(capsys):
+    assert main(["train", "--steps", "1", *SMALL, "--device-memory", "1000TB"]) == 2
+    err = capsys.readouterr().err
+    assert "MemoryError: cannot allocate an arena" in err and "Traceback" not in err
+
+
+def test_plan_does_not_list_its_own_pass_as_the_users(capsys):
+    assert main(["plan", TINY]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: all defaults\n")
+    assert "runs shape_memory for its estimate; not part of the plan" in out
+    assert main(["plan", TINY, "--passes", "shape_memory"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: passes\n") and "for its estimate" not in out
+
+
+TAGGER = """
+import torch
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.fc(input_ids)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def make():
+    torch.manual_seed(0)
+    return Tagger(), {"input_ids": torch.randn(32, 16), "labels": torch.randint(0, 4, (32,))}
+
+
+def logits_only():
+    return torch.nn.Linear(16, 4), torch.randn(2, 16)
+"""
+
+
+def test_train_a_file_target_with_keyword_inputs(tmp_path, capsys):
+    path = tmp_path / "numpy.py"  # named like a module: must not replace it
+    path.write_text(TAGGER)
+    out_json = tmp_path / "run.json"
+    args = ["train", f"{path}:make", "--steps", "8", "--no-progress", "--lr", "0.05",
+            "--json", str(out_json)]  # fmt: skip
+    numpy_before = sys.modules.get("numpy")
+    assert main(args) == 0
+    assert "Tagger: " in capsys.readouterr().out and sys.modules.get("numpy") is numpy_before
+    result = json.loads(out_json.read_text())
+    assert len(result["losses"]) == 8 and result["losses"][-1] < result["losses"][0]
+    assert result["config"] == {"target": f"{path}:make", "steps": 8}
+    assert main(["train", f"{path}:make", "--width", "64"]) == 2
+    assert "--width: the reference GPT's options" in capsys.readouterr().err
+    assert main(["train", f"{path}:logits_only", "--steps", "1", "--no-progress"]) == 2
+    assert "must return its loss" in capsys.readouterr().err
+
+
+def test_readme_share_of_the_parameters_works_at_the_default_sizes(capsys):
+    # `fxstar train --device-memory 40%` failed: the default GPT's activations are 8x its
+    # parameters, so no share of the parameters held them
+    args = ["train", "--device-memory", "40%", "--steps", "1", "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "sizes not given are the larger demo GPT's" in out and "moved host->compute" in out

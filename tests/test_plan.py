@@ -144,15 +144,15 @@ def test_sizes_and_share_resolution():
         ({"device_memory": "4 gigs"}, "device_memory: expected bytes"),
         ({"host_memory": -5}, "host_memory: must be >= 0 bytes"),
         ({"activation_memory": "2000%"}, "activation_memory: a share must be in"),
-        ({"optimizer": {"lr": 0}}, r"optimizer.lr: must be > 0, got 0"),
+        ({"optimizer": {"lr": 0}}, r"optimizer.lr: must be in \(0, 10\], got 0"),
         ({"optimizer": {"type": "lamb"}}, "optimizer.type: must be one of"),
         ({"optimizer": {"betas": [0.9, 1.0]}}, r"optimizer.betas\[1\]: must be in \[0, 1\)"),
         ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: must be a pair"),
-        ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay: must be >= 0"),
+        ({"optimizer": {"weight_decay": -0.1}}, r"optimizer.weight_decay: must be in \[0, 10\]"),
         ({"optimizer": {"clip_grad_norm": 0}}, "optimizer.clip_grad_norm: must be > 0"),
         ({"optimizer": {"accumulation_steps": 0}}, "optimizer.accumulation_steps: must be >= 1"),
         ({"loss_scale": {"initial_scale_power": 65}}, "loss_scale.initial_scale_power: must be in"),
-        ({"loss_scale": {"min_loss_scale": 0}}, "loss_scale.min_loss_scale: must be > 0"),
+        ({"loss_scale": {"min_loss_scale": 0}}, r"loss_scale.min_loss_scale: must be in \(0, "),
         ({"tiled_linear": {"in_splits": 0}}, "tiled_linear.in_splits: must be >= 1"),
         ({"tensor_parallel": {"rules": {"h.*": "diagonal"}}}, r"tensor_parallel.rules\['h.\*'\]"),
         ({"seed": -1}, "seed: must be >= 0"),
@@ -187,6 +187,63 @@ def test_type_errors_name_the_field(options, message):
     with pytest.raises(PlanError) as info:
         Plan(**options)
     assert any(part in str(info.value) for part in message.split("|")), str(info.value)
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"optimizer": {"lr": INF}}, r"optimizer.lr: must be in \(0, 10\], got inf"),
+        ({"optimizer": {"lr": NAN}}, r"optimizer.lr: must be in \(0, 10\], got nan"),
+        ({"optimizer": {"lr": 1e10}}, r"optimizer.lr: must be in \(0, 10\], got 10000000000.0"),
+        ({"optimizer": {"eps": 0}}, r"optimizer.eps: must be in \[1.17549e-38, 1\], got 0"),
+        ({"optimizer": {"eps": 1e-45}}, "optimizer.eps: must be in .*, got 1e-45"),
+        ({"optimizer": {"eps": INF}}, "optimizer.eps: must be in .*, got inf"),
+        ({"optimizer": {"weight_decay": INF}}, r"optimizer.weight_decay: must be in \[0, 10\]"),
+        ({"optimizer": {"weight_decay": 1e6}}, r"optimizer.weight_decay: must be in \[0, 10\]"),
+        ({"optimizer": {"lr": 2, "weight_decay": 0.5}},
+         r"lr \* weight_decay must be < 1 for 'adamw' .* 2 \* 0.5 = 1"),
+        ({"optimizer": {"type": "sgd", "lr": 5, "weight_decay": 1}}, "must be < 1 for 'sgd'"),
+        ({"optimizer": {"clip_grad_norm": INF}}, "clip_grad_norm: must be > 0 and finite, got inf"),
+        ({"loss_scale": INF}, r"loss_scale.loss_scale: must be in \[0, 1.84467e\+19\], got inf"),
+        ({"loss_scale": 1e30}, "loss_scale.loss_scale: must be in"),
+        ({"loss_scale": {"min_loss_scale": INF}}, "loss_scale.min_loss_scale: must be in"),
+        ({"loss_scale": {"initial_scale_power": 4, "min_loss_scale": 32}},
+         r"min_loss_scale: must be at most the initial scale 2\*\*initial_scale_power = 16"),
+        ({"loss_scale": {"warn_after_skips": -1}}, "loss_scale.warn_after_skips: must be >= 0"),
+    ],
+)  # fmt: skip
+def test_non_finite_and_absurd_numbers_are_refused(options, message):
+    with pytest.raises(PlanError, match=message):
+        Plan(**options)
+
+
+def test_absurd_numbers_are_not_refused_where_they_are_harmless():
+    assert Plan(optimizer={"type": "adam", "lr": 2, "weight_decay": 5}).optimizer.lr == 2
+    fixed = Plan(loss_scale={"loss_scale": 8, "initial_scale_power": 0, "min_loss_scale": 64})
+    assert fixed.loss_scale.loss_scale == 8  # a fixed scale has no minimum to respect
+    assert Plan(loss_scale={"warn_after_skips": 0}).loss_scale.warn_after_skips == 0
+
+
+@pytest.mark.parametrize("size", [1e30, 2**63, 10**30, "100000000 TiB"])
+def test_sizes_beyond_int64_are_a_plan_error(size):
+    with pytest.raises(PlanError, match=r"device_memory: must be at most 2\*\*63 - 1 bytes"):
+        Plan(device_memory=size)
+    assert Plan(host_memory=2**63 - 1).host_memory == 2**63 - 1
+
+
+def test_unknown_keywords_are_a_plan_error_with_a_suggestion():
+    # were dataclass TypeErrors ("unexpected keyword argument 'device_memroy'")
+    with pytest.raises(PlanError, match="unknown option 'device_memroy' — did you mean"):
+        Plan(device_memroy="4GiB")
+    with pytest.raises(PlanError, match="'optimizer.lrr' — did you mean 'optimizer.lr'"):
+        OptimizerConfig(lrr=0.1)
+    with pytest.raises(PlanError, match="did you mean 'loss_scale.hysteresis'"):
+        LossScaleConfig(hysteresys=2)
+    with pytest.raises(PlanError, match="unknown option 'notes'"):
+        Plan(notes=["x"])
 
 
 def test_unknown_keys_suggest_the_closest_option():
@@ -310,6 +367,13 @@ def test_patrickstar_variants():
 def test_patrickstar_errors(config, message):
     with pytest.raises(PlanError, match=message):
         Plan.from_dict(config)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_patrickstar_non_finite_gradient_clipping_is_a_plan_error(value):
+    # was "unsupported format string passed to NoneType.__format__"
+    with pytest.raises(PlanError, match=f"gradient_clipping: must be a finite number, got {value}"):
+        Plan.from_dict({"gradient_clipping": value})
 
 
 def test_check_implemented():

@@ -24,11 +24,24 @@ class GPTConfig:
     dropout: float = 0.1
     bias: bool = True
 
+    def __post_init__(self) -> None:
+        """Refuse sizes that would fail deep inside torch (or, for n_layer 0, divide by zero)."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name}: must be an int >= 1, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig.n_embd: {self.n_embd} must be divisible by n_head {self.n_head} "
+                "(each head gets n_embd / n_head channels)"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig.dropout: must be in [0, 1), got {self.dropout!r}")
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout

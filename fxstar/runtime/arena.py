@@ -8,21 +8,56 @@ offsets. The budget then holds by construction, and fragmentation is real and vi
 from __future__ import annotations
 
 import math
+import operator
+import os
 
 import torch
 
 from fxstar import _C
 
 ArenaOutOfMemory = _C.ArenaOutOfMemory
+ALIGNMENT = 256  # bytes: every block is rounded up to this (the C++ arena's minimum)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What the device could ever hold: a cuda card's memory, the CPU's physical RAM; None
+    when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # not a POSIX system
+            return None
+    return None
 
 
 class ArenaBuffer:
     def __init__(
-        self, capacity: int, device: torch.device | str = "cpu", *, alignment: int = 256
+        self, capacity: int, device: torch.device | str = "cpu", *, alignment: int = ALIGNMENT
     ) -> None:
-        self.allocator = _C.Arena(capacity, alignment)
+        """Allocate `capacity` bytes on `device` at once; MemoryError (not an allocator's
+        traceback) when the device could never hold them or the allocation fails."""
         self.device = torch.device(device)
-        self.buffer = torch.empty(self.allocator.capacity, dtype=torch.uint8, device=self.device)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity: must be an int of bytes >= 0, got {capacity!r}")
+        limit = device_memory_bytes(self.device)
+        if limit is not None and capacity > limit:
+            raise MemoryError(
+                f"cannot allocate an arena of {_C.format_bytes(capacity)} on {self.device}: "
+                f"it has {_C.format_bytes(limit)} in all; lower the compute tier's budget "
+                "(plan.device_memory)"
+            )
+        self.allocator = _C.Arena(capacity, alignment)
+        try:
+            self.buffer = torch.empty(self.allocator.capacity, dtype=torch.uint8,
+                                      device=self.device)  # fmt: skip
+        except RuntimeError as error:  # torch.OutOfMemoryError is one too
+            raise MemoryError(
+                f"cannot allocate an arena of {_C.format_bytes(capacity)} on {self.device} "
+                f"({str(error).splitlines()[0]}); lower the compute tier's budget "
+                "(plan.device_memory)"
+            ) from error
 
     @property
     def capacity(self) -> int:
@@ -38,15 +73,27 @@ class ArenaBuffer:
     def view(
         self, offset: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
     ) -> torch.Tensor:
-        """A tensor of `shape` and `dtype` over the bytes reserved at `offset`."""
-        nbytes = math.prod(shape) * dtype.itemsize
+        """A tensor of `shape` and `dtype` over the bytes reserved at `offset`.
+
+        Every dimension must be given (no -1): the view must stay inside its block, and a
+        negative size would slice the arena from its end.
+        """
+        dims = tuple(shape)
+        for dim in dims:
+            if isinstance(dim, bool) or operator.index(dim) < 0:
+                raise ValueError(
+                    f"shape {dims}: every dimension must be an int >= 0 (no -1 to infer one)"
+                )
+        if operator.index(offset) < 0:
+            raise ValueError(f"offset: must be >= 0, got {offset}")
+        nbytes = math.prod(dims) * dtype.itemsize
         reserved = self.allocator.block_size(offset)
         if nbytes > reserved:
             raise ValueError(
-                f"shape {tuple(shape)} of {dtype} needs {nbytes} bytes but the block at offset "
+                f"shape {dims} of {dtype} needs {nbytes} bytes but the block at offset "
                 f"{offset} holds {reserved}"
             )
-        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+        return self.buffer[offset : offset + nbytes].view(dtype).view(dims)
 
     def stats(self) -> dict:
         return self.allocator.stats()

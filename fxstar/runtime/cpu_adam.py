@@ -2,6 +2,10 @@
 
 The kernels read and write in one pass over memory; `grad_stats` is the read-only companion
 pass that gives the global clip norm and the overflow decision before any update is written.
+
+`num_threads`: None picks `default_threads`; below 1 is a ValueError; above `_C.max_threads()`
+(4 per hardware thread) it is clamped, since OpenMP would start every thread asked for.
+Hyperparameters that would give NaN parameters (non-finite, eps <= 0) are a ValueError.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ def default_threads(numel: int | None = None) -> int:
     if numel is not None:
         threads = min(threads, max(1, numel // ELEMENTS_PER_THREAD))
     return threads
+
+
+def _threads(num_threads: int | None, numel: int | None = None) -> int:
+    # `is None`, not `or`: 0 is an error the kernel reports, not a request for the default
+    return default_threads(numel) if num_threads is None else num_threads
 
 
 def _plain(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -73,7 +82,7 @@ def adam_step(
         adamw=adamw,
         grad_scale=grad_scale,
         out=_plain(out),
-        num_threads=num_threads or default_threads(param.numel()),
+        num_threads=_threads(num_threads, param.numel()),
         variant=variant or "",
     )
 
@@ -82,7 +91,7 @@ def grad_stats(
     grad: torch.Tensor, *, num_threads: int | None = None, variant: str | None = None
 ) -> GradStats:
     """Sum of squares and finiteness of a gradient buffer, in one read."""
-    threads = num_threads or default_threads(grad.numel() // 4)  # a read-only pass
+    threads = _threads(num_threads, grad.numel() // 4)  # a read-only pass
     sum_sq, finite = _C.grad_stats(_plain(grad), num_threads=threads, variant=variant or "")
     return GradStats(sum_sq, finite)
 
@@ -105,7 +114,7 @@ def adam_traffic(
         _plain(grad),
         exp_avg,
         exp_avg_sq,
-        num_threads=num_threads or default_threads(),
+        num_threads=_threads(num_threads),
         variant=variant or "",
     )
 

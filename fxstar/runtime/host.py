@@ -8,9 +8,13 @@ from fxstar import _C
 
 
 def host_empty(
-    nbytes: int, *, alignment: int = 0, zero: bool = False, pin: bool = False
+    nbytes: int, *, alignment: int = 0, zero: bool = True, pin: bool = False
 ) -> torch.Tensor:
-    """A uint8 CPU tensor of `nbytes` over aligned memory.
+    """A uint8 CPU tensor of `nbytes` over aligned memory, zeroed unless `zero=False`.
+
+    `zero=False` skips the memset: the tensor then shows whatever the heap held before (bytes
+    this process freed, possibly other data), so pass it only for a buffer that is overwritten
+    completely before anything reads it.
 
     Without `pin`, the memory comes from the core: 2 MiB aligned with transparent huge pages
     advised for large buffers, which the CPU Adam streams through fastest. `pin=True` takes

@@ -4,14 +4,20 @@ Dynamic scaling as in DeepSpeed and PatrickStar: start at 2**initial_scale_power
 (a non-finite gradient anywhere) skips the step and, once `hysteresis` overflows have been
 seen, halves the scale (never below min_loss_scale); `loss_scale_window` clean steps in a row
 double it. A fixed `loss_scale` > 0 disables the dynamics.
+
+Skipping is silent by design, so a run whose every step overflows (a NaN loss, too high an lr)
+would otherwise train nothing without a word: `warn_after` skips in a row warn once per streak.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from fxstar.errors import CheckpointError
 
 
 @dataclass
@@ -24,15 +30,18 @@ class LossScaler:
     clean_steps: int = 0
     overflows_left: int = field(default=2)
     skipped_steps: int = 0
+    warn_after: int = 10  # consecutive skips that warn; 0 = never
+    skip_streak: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> LossScaler:
         if config.loss_scale > 0:
-            return cls(scale=float(config.loss_scale), dynamic=False)
+            return cls(scale=float(config.loss_scale), dynamic=False,
+                       warn_after=config.warn_after_skips)  # fmt: skip
         return cls(
             scale=2.0**config.initial_scale_power, window=config.loss_scale_window,
             hysteresis=config.hysteresis, overflows_left=config.hysteresis,
-            min_scale=config.min_loss_scale,
+            min_scale=config.min_loss_scale, warn_after=config.warn_after_skips,
         )  # fmt: skip
 
     def update(self, overflow: bool) -> None:
@@ -40,6 +49,9 @@ class LossScaler:
         if overflow:
             self.skipped_steps += 1
             self.clean_steps = 0
+            self.skip_streak += 1
+            if self.skip_streak == self.warn_after:
+                self._warn()
             if not self.dynamic:
                 return
             self.overflows_left -= 1
@@ -48,14 +60,37 @@ class LossScaler:
                 self.overflows_left = self.hysteresis
             return
         self.clean_steps += 1
+        self.skip_streak = 0
         if self.dynamic and self.clean_steps % self.window == 0:
             self.scale *= 2
             self.overflows_left = self.hysteresis
+
+    def _warn(self) -> None:
+        floor = f" (min_loss_scale {self.min_scale:g})" if self.dynamic else " (fixed)"
+        warnings.warn(
+            f"fp16: the last {self.skip_streak} optimizer steps were all skipped because a "
+            f"gradient was inf or nan; the loss scale is {self.scale:g}{floor}. If the loss "
+            "itself is inf/nan, or the scale sits at its floor, scaling cannot fix it: check "
+            "the inputs and the lr, or train in bf16 (loss_scale.warn_after_skips sets when "
+            "this warns)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Only the scaler's own fields: a damaged or edited checkpoint must not set arbitrary
+        attributes."""
+        known = [f.name for f in fields(self)]
+        unknown = sorted(set(state) - set(known))
+        if unknown:
+            raise CheckpointError(
+                f"loss scaler state has unknown fields {', '.join(map(repr, unknown))} (a "
+                f"LossScaler has {', '.join(known)}): the checkpoint's training.json was edited "
+                "or damaged; restore it from a copy, or save the checkpoint again"
+            )
         for key, value in state.items():
             setattr(self, key, value)
 

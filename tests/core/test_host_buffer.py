@@ -1,6 +1,7 @@
 """Aligned host buffers seen by torch without a copy."""
 
 import gc
+import inspect
 
 import pytest
 import torch
@@ -49,3 +50,15 @@ def test_bad_arguments():
 def test_pinning_without_cuda_says_so():
     with pytest.raises(RuntimeError, match="needs CUDA"):
         host_empty(16, pin=True)
+
+
+def test_buffers_are_zeroed_unless_asked_not_to():
+    # zero=False shows what the heap held before; the defaults must never do that
+    assert inspect.signature(host_empty).parameters["zero"].default is True
+    for _ in range(20):  # a freed block of this size is handed out again at once
+        dirty = _C.HostBuffer(4096, 64, False)
+        torch.from_dlpack(dirty).fill_(0xAB)
+        del dirty
+        assert int(torch.from_dlpack(_C.HostBuffer(4096, 64)).count_nonzero()) == 0
+        assert int(host_empty(4096, alignment=64).count_nonzero()) == 0
+    assert "zero=False" in _C.HostBuffer.__doc__ and "heap" in _C.HostBuffer.__doc__

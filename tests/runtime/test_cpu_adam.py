@@ -217,12 +217,67 @@ def call(param=None, grad=None, exp_avg=None, exp_avg_sq=None, **overrides):
         (dict(weight_decay=-0.1), ValueError, "weight_decay"),
         (dict(grad_scale=float("inf")), ValueError, "grad_scale"),
         (dict(num_threads=0), ValueError, "num_threads"),
+        (dict(num_threads=-5), ValueError, "num_threads: must be at least 1, got -5"),
         (dict(variant="nope"), ValueError, "variant"),
+        # hyperparameters that would give NaN parameters
+        (dict(eps=0.0), ValueError, "eps: must be a finite float32 >= 1.17549e-38, got 0"),
+        (dict(eps=1e-45), ValueError, "eps: must be"),  # 0 in float32 (or flushed to it)
+        (dict(eps=float("inf")), ValueError, "eps: must be"),
+        (dict(lr=1e300), ValueError, "lr: must be a finite float32"),  # inf in float32
+        (dict(lr=float("inf")), ValueError, "lr: must be a finite float32"),
+        (dict(beta1=float("nan")), ValueError, "beta1"),
+        (dict(weight_decay=float("inf")), ValueError, "weight_decay: must be a finite float32"),
+        (dict(grad_scale=1e300), ValueError, "grad_scale: must be a finite float32"),
     ],
 )
 def test_bad_calls_name_the_argument(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         call(**kwargs)
+
+
+def test_the_wrapper_passes_zero_threads_on_as_an_error():
+    # `num_threads or default` used to turn 0 into the default silently
+    z = torch.zeros(4)
+    with pytest.raises(ValueError, match="num_threads"):
+        cpu_adam.adam_step(z, z.clone(), z.clone(), z.clone(), step=1, lr=1e-3, num_threads=0)
+    with pytest.raises(ValueError, match="num_threads"):
+        cpu_adam.grad_stats(z, num_threads=0)
+    with pytest.raises(ValueError, match="num_threads"):
+        cpu_adam.adam_traffic(z, z.clone(), z.clone(), z.clone(), num_threads=0)
+
+
+ABSURD_THREADS = """
+import torch
+from fxstar import _C
+from fxstar.runtime import cpu_adam
+
+n = 100_003
+gen = torch.Generator().manual_seed(0)
+grad = torch.randn(n, generator=gen)
+results = {}
+for threads in (1, 100_000, 2**31 - 1):
+    state = [torch.ones(n), torch.zeros(n), torch.zeros(n)]
+    for step in (1, 2):
+        cpu_adam.adam_step(state[0], grad, state[1], state[2], step=step, lr=1e-3,
+                           num_threads=threads)
+    stats = cpu_adam.grad_stats(grad, num_threads=threads)
+    scratch = [torch.ones(n), grad.clone(), torch.zeros(n), torch.zeros(n)]
+    cpu_adam.adam_traffic(*scratch, num_threads=threads)
+    results[threads] = (state, stats)
+for threads in (100_000, 2**31 - 1):
+    assert all(torch.equal(a, b) for a, b in zip(results[1][0], results[threads][0]))
+    assert results[threads][1].finite
+    assert abs(results[threads][1].sum_sq - results[1][1].sum_sq) < 1e-6 * results[1][1].sum_sq
+assert _C.max_threads() >= 4
+print("ok")
+"""
+
+
+def test_absurd_thread_counts_are_clamped_not_a_crash():
+    # 100000 threads died by SIGSEGV and 2**31-1 aborted in libgomp: run where a crash is safe
+    run = subprocess.run([sys.executable, "-c", ABSURD_THREADS], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 def test_aliasing_is_refused():
