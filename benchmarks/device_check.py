@@ -100,7 +100,7 @@ def run(name: str, args, device: torch.device, plan: fxstar.Plan, tolerance: flo
         check.facts["arena device"] = str(manager.arena.buffer.device)
         check.facts["host homes pinned"] = bool(manager.chunks[0].host.is_pinned())
         check.facts["kept chunks"] = f"{len(engine.optimizer.device_chunks)}/{len(manager.chunks)}"
-        check.facts["bytes to compute per step"] = manager.stats.per_step_bytes[-1:]
+        check.facts["bytes to compute per step"] = list(manager.stats.per_step_bytes)[-1:]
         overlap = manager.grad_copy_overlap()
         if overlap is not None:
             check.facts["gradient copies hidden"] = f"{overlap:.0%}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxstar.capture import capture
+from fxstar.errors import EngineStateError
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, load_builtins, passes_for
 from fxstar.passes.chunk_layout import LAYOUT_KEY, check_chunk_options
@@ -31,6 +33,8 @@ from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.plan import PlanError, mark_implemented
 from fxstar.program import EXPORT, Program
+from fxstar.runtime import ops
+from fxstar.runtime.arena import ALIGNMENT
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
@@ -76,6 +80,8 @@ class Engine(nn.Module):
         low = plan.precision != "fp32"
         self.traced = _low_precision_copy(model, self.compute_dtype) if low else model
         self.store = ParameterStore(self.traced)
+        # the low-precision copy's buffers as last mirrored into the model's (_mirror_buffers)
+        self._buffer_values = {n: b.clone() for n, b in self.traced.named_buffers()} if low else {}
         self.scaler = LossScaler.from_config(plan.loss_scale) if plan.precision == "fp16" else None
         self.shared: dict[str, Any] = {}  # engine-wide pass decisions (Program.shared)
         self._optimizer: torch.optim.Optimizer | None = None
@@ -84,10 +90,17 @@ class Engine(nn.Module):
         self._registered_state: dict[str, Any] = {}  # saved with checkpoints (scheduler, ...)
         if plan.verify and method != EXPORT:
             raise ValueError("plan.verify needs method='export' (it feeds cloned parameters)")
+        _claim(model, self)
+        self._closed = False
+        self._fed: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # see _check_model
 
     # -- running ------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise EngineStateError("the engine was closed; compile the model again to train on")
+        args, kwargs = self._compute_inputs(args, kwargs)
+        self._check_model()
         program = self.prepare(*args, **kwargs)
         plan = program.meta.get(PLAN_KEY)
         if self.chunks is None or plan is None:
@@ -95,12 +108,42 @@ class Engine(nn.Module):
         else:
             with self.chunks.running(plan):
                 output = program.run(args, kwargs)
+        if self.traced is not self.model:
+            self._mirror_buffers()
         if self.scaler is not None and torch.is_grad_enabled():
             output = _scale_loss(output, self.scaler.scale)
         return output
 
+    def _mirror_buffers(self) -> None:
+        """bf16/fp16 run on a low-precision copy: what forward changed in its buffers
+        (BatchNorm's running statistics, in place or as a mutation) shows in the model's own,
+        so `model.state_dict()` is the trained model. Compared by value: batch_norm updates
+        its running statistics without bumping their version, and a buffer nothing changed
+        (RoPE's fp32 inv_freq) must not come back rounded."""
+        own = dict(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, buffer in self.traced.named_buffers(remove_duplicate=False):
+                last = self._buffer_values.get(name)
+                if name in own and (last is None or not torch.equal(last, buffer)):
+                    own[name].copy_(buffer)
+                    self._buffer_values[name] = buffer.clone()
+
+    def _compute_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+        """bf16/fp16: floating-point inputs in the compute dtype, as the model traced in it
+        expects (integer inputs, token ids, untouched)."""
+        if self.traced is self.model:
+            return args, dict(kwargs)
+        dtype = self.compute_dtype
+
+        def cast(x: Any) -> Any:
+            is_float = isinstance(x, torch.Tensor) and x.is_floating_point()
+            return x.to(dtype) if is_float and x.dtype != dtype else x
+
+        return pytree.tree_map(cast, (tuple(args), dict(kwargs)))
+
     def prepare(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for these inputs, captured (and passes run) if not cached yet."""
+        args, kwargs = self._compute_inputs(args, kwargs)
         key = self.signature(args, kwargs)
         program = self.programs.get(key)
         if program is None:
@@ -146,7 +189,32 @@ class Engine(nn.Module):
             check(_CaptureCheck(), program)
         program = self.pass_manager.run(program, check=check)
         self._setup_chunks(program)
+        for runtime in ops.runtimes(program.graph_module):
+            runtime.manager = self.chunks  # the graph calls this engine's manager, no other
+        self._fed = [
+            (name, module, attr, module._parameters[attr])
+            for name, module, attr in _parameter_slots(self.model)
+        ]
         return program
+
+    def _check_model(self) -> None:
+        """Before every run: the model's parameters are still the tensors this engine trains.
+        A new Parameter object (`module.weight = nn.Parameter(...)`) would be silently
+        ignored: refused. New values given through `p.data = t` are taken into the chunk
+        homes (a plain engine feeds `p` itself and sees them anyway)."""
+        for name, module, attr, expected in self._fed:
+            if module._parameters.get(attr) is not expected:
+                raise EngineStateError(
+                    f"parameter {name} of the model was replaced by another tensor after "
+                    "compile; the engine would go on training the old one. Change values in "
+                    "place instead (`with torch.no_grad(): p.copy_(new)`, or "
+                    "engine.load_state_dict), or compile the model again."
+                )
+        if self.chunks is not None:
+            try:
+                self.chunks.adopt_replaced_data()
+            except RuntimeError as error:
+                raise EngineStateError(str(error)) from None
 
     def _setup_chunks(self, program: Program) -> None:
         """Once per engine, after the chunk passes: the ChunkManager takes the parameters over.
@@ -185,7 +253,8 @@ class Engine(nn.Module):
         nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
         budget = plan.resolve_size("device_memory", program.param_bytes)
         if budget is None:  # mixed precision without a budget: every chunk stays resident
-            budget = nonmodel + (len(layout.chunks) + 1) * layout.chunk_bytes
+            block = -(-layout.chunk_bytes // ALIGNMENT) * ALIGNMENT  # the arena rounds blocks up
+            budget = nonmodel + (len(layout.chunks) + 1) * block
         static = int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition else None
         device = next(iter(tensors.values())).device
         # On a GPU the arena shares the card with activations, so it leaves them their peak;
@@ -208,6 +277,10 @@ class Engine(nn.Module):
         for name, stable in manager.stable.items():
             for alias in manager.layout.slots()[name].aliases:
                 tensors[alias] = stable
+        # bound until the engine binds its own after the passes: the verifier's backward
+        # (a region's recomputation) runs after this returns
+        for runtime in ops.runtimes(program.graph_module):
+            runtime.manager = manager
         with manager.running(plan):
             return program.run(args, kwargs, tensors=tensors)
 
@@ -354,9 +427,40 @@ class Engine(nn.Module):
                 p.grad.zero_()
 
     def _apply(self, fn, recurse: bool = True):
+        if self.chunks is not None or self.traced is not self.model:
+            raise EngineStateError(
+                "this engine keeps its parameters in chunks (device_memory or bf16/fp16): "
+                "their dtype and device are the plan's (precision, and the device the chunks "
+                "live on). Change the model before fxstar.compile, or compile it again."
+            )
         self.model._apply(fn, recurse)
         self.programs.clear()  # devices and dtypes are baked into captures
+        self._fed = []  # recaptured with what the model holds now
         return self
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release now what the engine holds: threads (memory monitor, gradient copies), the
+        arena, host chunks and optimizer state. The model keeps its current values (its
+        parameters get storage of their own) and can be compiled again. Dropping the last
+        reference to an engine frees the same, later."""
+        if self._closed:
+            return
+        if self.chunks is not None:
+            self.chunks.close()
+        self._closed = True
+        self.programs.clear()
+        self._optimizer = None
+        self.chunks = None
+        if self.model.__dict__.get("_fxstar_engine", lambda: None)() is self:
+            del self.model.__dict__["_fxstar_engine"]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     # -- reporting ------------------------------------------------------------------------------
 
@@ -408,6 +512,39 @@ class Engine(nn.Module):
 
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parameter_slots(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(name, owning module, attribute) of every parameter, tied ones under each name."""
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                yield (f"{module_name}.{attr}" if module_name else attr), module, attr
+
+
+def _claim(model: nn.Module, engine: Engine) -> None:
+    """One chunk or bf16/fp16 engine per model: such an engine rebinds the model's parameters
+    to its own chunk homes, so a second engine over the same model would train a copy the
+    first never sees (and the model would show only one of them)."""
+    from fxstar.passes.chunk_layout import uses_chunks
+
+    previous = model.__dict__.get("_fxstar_engine")
+    other = previous() if previous is not None else None
+    if (
+        other is not None
+        and other.model is model
+        and (uses_chunks(other.plan) or uses_chunks(engine.plan))
+    ):
+        raise EngineStateError(
+            f"{type(model).__name__} is already compiled by another fxstar engine that "
+            + ("keeps" if uses_chunks(other.plan) else "would share")
+            + " its parameters"
+            + (" in chunks" if uses_chunks(other.plan) else " with this chunk engine")
+            + "; two engines over one model would train two copies. Compile a copy "
+            "(copy.deepcopy(model)), or close the first engine (engine.close()) before "
+            "compiling again."
+        )
+    model.__dict__["_fxstar_engine"] = weakref.ref(engine)
 
 
 def _low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:

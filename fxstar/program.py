@@ -7,8 +7,9 @@ the model's tensors, so analysis passes and verification need nothing but the Pr
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,6 +273,20 @@ class Program:
                     "every use of its placeholder)"
                 )
         return flat
+
+
+@contextlib.contextmanager
+def buffers_restored(model: nn.Module) -> Iterator[None]:
+    """Put the model's buffer values back afterwards: running it to trace or measure (the
+    symbolic tracer runs in-place buffer updates for real) must leave it as it was."""
+    buffers = list(model.buffers())
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in zip(buffers, saved, strict=True):
+                b.copy_(value)
 
 
 def _uses(node: fx.Node) -> list[fx.Node]:

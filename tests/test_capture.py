@@ -127,3 +127,73 @@ def test_loss_fn_wrapper_keeps_model_names():
     assert program.param("wte.weight").aliases == ("wte.weight", "head.weight")
     assert all(not s.target.startswith("model.") for s in program.inputs if s.target)
     assert torch.equal(program.run((idx, targets)), model(idx, targets))
+
+
+class StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CustomGelu(torch.autograd.Function):
+    """A forward whose autograd derivative differs slightly from the backward given."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.nn.functional.gelu(x, approximate="tanh")
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.sigmoid(1.702 * x) * (1 + 1.702 * x * (1 - torch.sigmoid(1.702 * x)))
+
+
+@torch.library.custom_op("fxstar_test::round_ste", mutates_args=())
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x)
+
+
+round_ste.register_fake(lambda x: torch.empty_like(x))
+round_ste.register_autograd(lambda ctx, grad: grad)
+
+
+class Quantized(nn.Module):
+    def __init__(self, rounding):
+        super().__init__()
+        self.lin, self.head, self.rounding = nn.Linear(8, 8), nn.Linear(8, 1), rounding
+
+    def forward(self, x, y):
+        return (self.head(self.rounding(self.lin(x))) - y).square().mean()
+
+
+@pytest.mark.parametrize("function", [StraightThrough, CustomGelu], ids=["ste", "gelu"])
+def test_a_custom_autograd_function_is_refused_by_name(function):
+    """Export inlines its forward and drops its backward: never train on that silently."""
+    from fxstar.engine import compile
+
+    model = Quantized(function.apply)
+    with pytest.raises(CaptureError, match=function.__qualname__) as info:
+        compile(model, Plan(), example_inputs=(torch.randn(4, 8), torch.randn(4, 1)))
+    assert "custom_op" in str(info.value)
+
+
+def test_a_custom_op_keeps_its_backward():
+    """The remedy the error gives: a torch.library custom op is captured whole."""
+    from fxstar.engine import compile
+
+    torch.manual_seed(0)
+    eager = Quantized(round_ste)
+    model = Quantized(round_ste)
+    model.load_state_dict(eager.state_dict())
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    engine = compile(model, Plan(), example_inputs=(x, y))
+    eager(x, y).backward()
+    engine(x, y).backward()
+    assert eager.lin.weight.grad.abs().sum() > 0
+    for p, q in zip(eager.parameters(), engine.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

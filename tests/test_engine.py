@@ -184,3 +184,57 @@ def test_symbolic_trace_engine_runs_identity():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
     with pytest.raises(ValueError, match="verify needs method='export'"):
         compile(model, Plan(verify=True), method="symbolic_trace")
+
+
+class NormNet(nn.Module):
+    """BatchNorm and dropout, the way users have them (no bias before the norm: its gradient
+    is zero but for rounding, which Adam would blow up to lr-sized noise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 32, bias=False)
+        self.norm = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.drop(torch.relu(self.norm(self.lin(x))))), y)
+
+
+@pytest.mark.parametrize(
+    ("plan", "tolerance"),
+    [
+        (Plan(passes=["shape_memory"]), 0.0),
+        (Plan(device_memory="256KiB"), 1e-5),  # HybridAdam: torch's AdamW within 1e-5
+        (Plan(precision="bf16"), 2e-2),
+    ],
+    ids=["shape_memory", "chunks", "bf16"],
+)
+def test_buffers_train_like_eager(plan, tolerance):
+    """Running statistics after three steps: eager's (bf16: the model's fp32 buffers follow
+    the low-precision copy's), to the tolerance of the optimizer and precision."""
+    torch.manual_seed(0)
+    eager = NormNet()
+    model = NormNet()
+    model.load_state_dict(eager.state_dict())
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.0)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
+    engine = compile(model, plan.replace(optimizer={"type": "adamw", "lr": 1e-2}),
+                     example_inputs=batches[0])  # fmt: skip
+    for step, (x, y) in enumerate(batches):
+        torch.manual_seed(step)
+        eager(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(step)
+        engine(x, y).backward()
+        engine.step()
+    for key, value in eager.state_dict().items():
+        if "norm" not in key or "weight" in key or "bias" in key:
+            continue
+        got = model.state_dict()[key]
+        assert got.dtype == value.dtype, key
+        if tolerance == 0.0 or key.endswith("num_batches_tracked"):
+            assert torch.equal(got, value), key
+        else:
+            assert torch.allclose(got, value, rtol=tolerance, atol=tolerance), key

@@ -126,14 +126,22 @@ def segments(
 
 
 def insert_fetches(
-    graph: fx.Graph, segs: list[Segment], nodes: list[fx.Node], params: dict[fx.Node, str]
+    gm: fx.GraphModule,
+    segs: list[Segment],
+    nodes: list[fx.Node],
+    params: dict[fx.Node, str],
+    runtime: ops.ChunkRuntime | None = None,
 ) -> None:
     """Fetch before each segment, the parameters' views in place of their placeholders, and a
-    release after the segment's last read."""
+    release after the segment's last read; the nodes call the module's ChunkRuntime."""
+    if not segs:
+        return
+    graph = gm.graph
+    manager = ops.runtime_node(gm, runtime)
     for seg in segs:
         first = nodes[seg.start]
         with graph.inserting_before(first):
-            fetch = graph.create_node("call_function", ops.fetch, (seg.chunk,),
+            fetch = graph.create_node("call_function", ops.fetch, (manager, seg.chunk),
                                       name=f"chunk{seg.chunk}")  # fmt: skip
         views: dict[fx.Node, fx.Node] = {}
         for user, placeholder in seg.users:
@@ -145,7 +153,7 @@ def insert_fetches(
                     )  # fmt: skip
             user.replace_input_with(placeholder, views[placeholder])
         with graph.inserting_after(nodes[seg.end]):
-            graph.call_function(ops.release, (seg.chunk,))
+            graph.call_function(ops.release, (manager, seg.chunk))
 
 
 def parameter_placeholders(program: Program) -> dict[fx.Node, str]:
@@ -180,8 +188,8 @@ def move_into_regions(program: Program, layout: ChunkLayout) -> None:
         if not inner:
             continue
         nodes = list(region.graph.nodes)
-        insert_fetches(region.graph, segments(inner, layout, {n: i for i, n in enumerate(nodes)}),
-                       nodes, inner)  # fmt: skip
+        insert_fetches(region, segments(inner, layout, {n: i for i, n in enumerate(nodes)}),
+                       nodes, inner, ops.runtime_of(program.graph_module))  # fmt: skip
         for placeholder in inner:
             region.graph.erase_node(placeholder)
         region.graph.lint()
@@ -196,7 +204,8 @@ def rewrite(program: Program, layout: ChunkLayout) -> list[fx.Node]:
     graph = program.graph_module.graph
     nodes = list(graph.nodes)
     params = parameter_placeholders(program)
-    insert_fetches(graph, segments(params, layout, {n: i for i, n in enumerate(nodes)}),
+    insert_fetches(program.graph_module,
+                   segments(params, layout, {n: i for i, n in enumerate(nodes)}),
                    nodes, params)  # fmt: skip
     for node in params:
         program.remove_input(node)
@@ -229,15 +238,15 @@ def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node]
         open_chunks = set(outer)
         for node in graph.nodes:
             if node.target is ops.fetch:
-                open_chunks.add(node.args[0])
-                plan.chunks.append(node.args[0])
+                open_chunks.add(node.args[1])
+                plan.chunks.append(node.args[1])
                 plan.phases.append(phase)
                 plan.nonmodel_bytes.append(
                     _next_original(node, estimate) if nonmodel is None else nonmodel
                 )
                 plan.pinned_at_once.append(len(open_chunks))
             elif node.target is ops.release and phase == "forward":
-                open_chunks.discard(node.args[0])
+                open_chunks.discard(node.args[1])
             elif node in regions:
                 fetches(regions[node].graph, phase, estimate.get(node, 0), open_chunks)
 

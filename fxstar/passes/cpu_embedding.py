@@ -43,6 +43,7 @@ class CpuEmbedding(Pass):
         graph = program.graph_module.graph
         kinds = program.placeholder_kinds()
         moved, kept = [], []
+        runtime = None
         for node in [n for n in graph.nodes if n.target is EMBEDDING]:
             weight = node.args[0]
             slot = kinds.get(getattr(weight, "name", ""))
@@ -58,8 +59,9 @@ class CpuEmbedding(Pass):
             with graph.inserting_before(node):
                 ids = graph.call_function(ops.to_host, (node.args[1],))
             node.replace_input_with(node.args[1], ids)
+            runtime = runtime or ops.runtime_node(program.graph_module)
             with graph.inserting_after(node):
-                back = graph.call_function(ops.to_compute, (node, compute_dtype))
+                back = graph.call_function(ops.to_compute, (node, runtime, compute_dtype))
             node.replace_all_uses_with(
                 back, delete_user_cb=lambda user, back=back: user is not back
             )

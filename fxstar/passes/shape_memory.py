@@ -25,7 +25,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from fxstar.dump import NOTES_KEY
 from fxstar.passes import Pass, register
-from fxstar.program import Program
+from fxstar.program import SYMBOLIC_TRACE, Program, buffers_restored
 from fxstar.sizes import format_size
 
 __all__ = [
@@ -197,6 +197,21 @@ class _Recorder(fx.Interpreter):
         return result
 
 
+def _no_backward(_: Any) -> None:
+    raise RuntimeError("shape_memory's measuring run has no backward")
+
+
+def _analysis_tensors(program: Program) -> dict[str, torch.Tensor]:
+    """What the measuring run is fed: the program's tensors, its buffers as copies. The
+    training IR updates buffers in place (BatchNorm's running statistics, a counter a model
+    bumps in forward): a measurement must leave the model as it found it."""
+    tensors = program.model_tensors()
+    for slot in program.inputs:
+        if slot.kind == "buffer" and slot.target in tensors:
+            tensors[slot.target] = tensors[slot.target].detach().clone()
+    return tensors
+
+
 def _fork_rng():
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     return torch.random.fork_rng(devices=devices)
@@ -210,13 +225,14 @@ class ShapeMemory(Pass):
     needs_export_ir = False
 
     def __call__(self, program: Program) -> Program:
+        fed = _analysis_tensors(program)
         param_storages = {p.untyped_storage().data_ptr() for p in program.model.parameters()} | {
             b.untyped_storage().data_ptr() for b in program.model.buffers()
         }
-        # and what the program is fed in their place (tiles, shards a pass derived)
-        param_storages |= {t.untyped_storage().data_ptr() for t in program.model_tensors().values()}
+        # and what the program is fed in their place (tiles, shards a pass derived, buffer copies)
+        param_storages |= {t.untyped_storage().data_ptr() for t in fed.values()}
         param_names: dict[int, list[str]] = {}  # storage ptr -> parameter names
-        for name, t in program.model_tensors().items():
+        for name, t in fed.items():
             if isinstance(t, torch.nn.Parameter):
                 param_names.setdefault(t.untyped_storage().data_ptr(), []).append(name)
         saved_params: dict[fx.Node, list[str]] = {}
@@ -235,7 +251,9 @@ class ShapeMemory(Pass):
                 keep.append(t)
                 if recorder is not None and t.requires_grad:  # a gradient will flow to it
                     recorder.fresh.append((ptr, storage.nbytes()))
-            return t
+            # nothing to give back (no backward runs): a tensor handed back to the graph that
+            # saved it would make a cycle through C++ autograd that keeps graph and program
+            return None
 
         def make(gm: fx.GraphModule) -> _Recorder:
             nonlocal recorder
@@ -245,13 +263,21 @@ class ShapeMemory(Pass):
         with contextlib.ExitStack() as stack:
             stack.enter_context(_fork_rng())
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _no_backward))
+            symbolic = program.ir == SYMBOLIC_TRACE
+            if symbolic:
+                stack.enter_context(buffers_restored(program.model))
             program.run(
                 program.example_args,
                 program.example_kwargs,
+                tensors=None if symbolic else fed,
                 apply_mutations=False,
                 interpreter=make,
             )
+        # autograd keeps the saved-tensor hooks (and what they close over: this recorder, the
+        # graph) alive with the tensors of this run; drop them, or nothing is ever freed
+        keep.clear()
+        recorder = None
 
         report = MemoryReport(param_bytes=program.param_bytes)
         per_node: dict[fx.Node, NodeMemory] = {}

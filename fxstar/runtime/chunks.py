@@ -18,10 +18,12 @@ parameters users and optimizers see (`engine.parameters()`) are views of the hos
 from __future__ import annotations
 
 import bisect
+import collections
 import concurrent.futures
 import contextlib
 import enum
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +36,19 @@ from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
 from fxstar.runtime.monitor import MemoryMonitor
 from fxstar.runtime.tracer import MemoryTracer
+
+RECENT_STEPS = 1000  # training steps whose moved bytes ChunkStats keeps one by one
+
+
+def _weak_call(method):
+    """Calls `method` while its object lives, else returns None (a sampler thread stops then)."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        bound = ref()
+        return None if bound is None else bound()
+
+    return call
 
 
 class ChunkBudgetError(FxstarError, MemoryError):
@@ -70,6 +85,7 @@ class Chunk:
     used: int = 0  # elements taken by parameters: only these are copied
     master: torch.Tensor | None = None  # fp32 master when the chunks hold a lower precision
     host_version: int = 0  # bumped when the host copy changes behind torch's back (our Adam)
+    updates: int = 0  # optimizer steps that changed its parameters (saved views go stale)
     synced_versions: tuple[int, ...] = ()  # masters' versions when `host` was made from them
     state: ChunkState = ChunkState.FREE
     offset: int | None = None  # arena byte offset while resident
@@ -103,7 +119,17 @@ class ChunkStats:
     grad_copy_seconds: float = 0.0  # gradient copies to their buffers, however they ran
     grad_wait_seconds: float = 0.0  # of that, what backward's end still had to wait for
     steps: int = 0
-    per_step_bytes: list[int] = field(default_factory=list)
+    # bytes moved host->compute by the most recent training steps (bounded), and over all
+    per_step_bytes: collections.deque[int] = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_STEPS)
+    )
+    moved_bytes_total: int = 0
+    training_steps: int = 0
+
+    def end_step(self, moved: int) -> None:
+        self.per_step_bytes.append(moved)
+        self.moved_bytes_total += moved
+        self.training_steps += 1
 
 
 @dataclass(frozen=True)
@@ -114,6 +140,7 @@ class Handle:
     offset: int  # elements from the chunk's start
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    version: tuple[int, ...] = ()  # the chunk's content version when saved
 
 
 class ChunkManager:
@@ -165,8 +192,35 @@ class ChunkManager:
         self._wait_queued = False
         self.low_precision = layout.dtype != torch.float32
         self.grad_present: set[str] = set()  # slots given a gradient since the last zero_grad
+        self.homes: dict[str, torch.Tensor] = {}  # what each stable parameter is a view of
         self.chunks, self.stable = self._make_homes(params, masters or params, pin)
-        self.monitor = MemoryMonitor(self._sample).start() if monitor else None
+        self.monitor = MemoryMonitor(_weak_call(self._sample)).start() if monitor else None
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop the threads (monitor, gradient copies) and let go of the arena. The stable
+        parameters get storage of their own first, so whoever holds them keeps the values."""
+        if self.closed:
+            return
+        self._wait_grad_copies()
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+        with torch.no_grad():
+            for name, stable in self.stable.items():
+                stable.data = stable.data.clone()
+                self.homes[name] = stable.data
+                if stable.grad is not None:
+                    stable.grad = stable.grad.clone()
+        self._cache.clear()
+        self.closed = True
+
+    def __del__(self) -> None:
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor._stop.set()  # the thread ends at its next tick
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -196,6 +250,7 @@ class ChunkManager:
                 with torch.no_grad():
                     view.copy_(masters[slot.name])
                 stable[slot.name] = nn.Parameter(view, requires_grad=slot.requires_grad)
+                self.homes[slot.name] = view
             chunk.move(S.RELEASED)
             chunks.append(chunk)
         for chunk in chunks:
@@ -214,7 +269,9 @@ class ChunkManager:
     def host_updated(self, chunk_id: int) -> None:
         """The host copy of a chunk changed in a way torch cannot see (the C++ Adam wrote it):
         a resident compute copy is stale."""
-        self.chunks[chunk_id].host_version += 1
+        chunk = self.chunks[chunk_id]
+        chunk.host_version += 1
+        chunk.updates += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._wait_grad_copies()  # a copy in flight would land after the zeroing
@@ -225,6 +282,29 @@ class ChunkManager:
                     p.grad = None
                 else:
                     p.grad.zero_()
+
+    def adopt_replaced_data(self) -> list[str]:
+        """Parameters whose `.data` was replaced since the chunks took them over (`p.data =
+        t`): their values go into the chunk home, the parameter views the home again, and the
+        chunk counts as updated. Returns their names; a new shape or dtype cannot be adopted."""
+        adopted = []
+        for name, stable in self.stable.items():
+            home = self.homes[name]
+            if stable.data_ptr() == home.data_ptr() and stable.shape == home.shape:
+                continue
+            if stable.shape != home.shape or stable.dtype != home.dtype:
+                raise RuntimeError(
+                    f"parameter {name} was given data of shape {tuple(stable.shape)} and dtype "
+                    f"{stable.dtype} after compile; its chunk holds {tuple(home.shape)} "
+                    f"{home.dtype}. Compile the model again to change shapes or dtypes."
+                )
+            with torch.no_grad():
+                home.copy_(stable.data)
+            stable.data = home
+            slot = self.layout.slots()[name]
+            self.host_updated(slot.chunk)
+            adopted.append(name)
+        return adopted
 
     def slot_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         """This step's gradient of a parameter, or None when it got none."""
@@ -247,18 +327,13 @@ class ChunkManager:
     @contextlib.contextmanager
     def running(self, plan: AccessPlan) -> Iterator[None]:
         """Around one forward: the plan it follows, and the hooks autograd saves through."""
-        from fxstar.runtime import ops
-
         self._begin(plan)
-        token = ops.ACTIVE.set(self)
-        ops.LAST[:] = [self]
         self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._in_forward = False
-            ops.ACTIVE.reset(token)
 
     def _begin(self, plan: AccessPlan) -> None:
         self._wait_grad_copies()  # a backward that raised left its copies behind
@@ -272,7 +347,7 @@ class ChunkManager:
                 chunk.pins = 0
                 chunk.move(S.HOLD_AFTER_FWD)
         if any(phase == "backward" for _, phase in self._recorded):  # a training step ended
-            self.stats.per_step_bytes.append(self._step_bytes)
+            self.stats.end_step(self._step_bytes)
         self._step_bytes = 0
         self.stats.steps += 1
         self._plan = plan
@@ -390,7 +465,8 @@ class ChunkManager:
             for chunk in self.chunks:
                 if chunk.resident and chunk.offset <= byte < chunk.offset + self.layout.chunk_bytes:
                     offset = (byte - chunk.offset) // t.element_size()
-                    return Handle(chunk.id, offset, tuple(t.shape), tuple(t.stride()))
+                    return Handle(chunk.id, offset, tuple(t.shape), tuple(t.stride()),
+                                  self._content_version(chunk))  # fmt: skip
             raise RuntimeError("a saved arena tensor belongs to no resident chunk")
         return self.tracer.saved(t)
 
@@ -407,7 +483,27 @@ class ChunkManager:
         chunk = self._access(packed.chunk, "backward")
         chunk.pins += 1
         self._node_pins[1].append(chunk)
+        if self._content_version(chunk) != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: parameters of chunk {chunk.id} "
+                f"({', '.join(s.name for s in chunk.slots)}) changed after the forward that "
+                "saved them (an optimizer step, or an in-place edit, between this loss's "
+                "forward and its backward). Call backward before engine.step(), or run the "
+                "forward again."
+            )
         return self._view(chunk, packed.offset, packed.size, packed.stride)
+
+    def _content_version(self, chunk: Chunk) -> tuple[int, ...]:
+        """Changes whenever the chunk's parameter values do: optimizer updates, in-place edits."""
+        return (chunk.updates, *(self.stable[s.name]._version for s in chunk.slots))
+
+    def version_token(self) -> tuple[int, int]:
+        """Changes whenever any parameter's values do (a recomputation's staleness check)."""
+        return (
+            sum(c.updates for c in self.chunks),
+            sum(p._version for p in self.stable.values()),
+        )
 
     def _unpin_node(self) -> None:
         """The backward node that unpacked these chunks is done: they are evictable again."""
@@ -422,27 +518,35 @@ class ChunkManager:
                 chunk.move(S.HOLD_AFTER_BWD)
 
     def _accumulate(self, slot: ParamSlot):
-        stable = self.stable[slot.name]
+        # a weak reference: the hook lives on a tensor that C++ keeps alive, and a strong one
+        # would keep the whole manager (arena, host chunks, moments) past its engine
+        manager = weakref.ref(self)
 
         def hook(leaf: torch.Tensor) -> None:
             grad, leaf.grad = leaf.grad, None
-            if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
-                if slot.name in self.grad_present:
-                    self._wait_grad_copies()
-                    buffer = self.grad_view(slot)
-                    buffer.add_(grad.to(buffer.device))
-                else:
-                    self._copy_grad(self.grad_view(slot), grad)
-                    self.grad_present.add(slot.name)
-            elif stable.grad is None:
-                buffer = self.grad_view(slot)
-                self._copy_grad(buffer, grad)  # a copy: bitwise what eager stores
-                stable.grad = buffer
-            else:
-                self._wait_grad_copies()
-                stable.grad.add_(grad.to(stable.grad.device))
+            self = manager()
+            if self is not None:
+                self._add_grad(slot, grad)
 
         return hook
+
+    def _add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        stable = self.stable[slot.name]
+        if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
+            if slot.name in self.grad_present:
+                self._wait_grad_copies()
+                buffer = self.grad_view(slot)
+                buffer.add_(grad.to(buffer.device))
+            else:
+                self._copy_grad(self.grad_view(slot), grad)
+                self.grad_present.add(slot.name)
+        elif stable.grad is None:
+            buffer = self.grad_view(slot)
+            self._copy_grad(buffer, grad)  # a copy: bitwise what eager stores
+            stable.grad = buffer
+        else:
+            self._wait_grad_copies()
+            stable.grad.add_(grad.to(stable.grad.device))
 
     def _copy_grad(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A gradient into its buffer: at once, or beside the rest of backward (overlap)."""
@@ -734,6 +838,7 @@ class ChunkManager:
         for slot in chunk.slots:
             stable = self.stable[slot.name]
             stable.data = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            self.homes[slot.name] = stable.data
             if stable.grad is not None:
                 stable.grad = self.grad_view(slot)
         chunk.fixed = True
@@ -746,6 +851,7 @@ class ChunkManager:
     def compute_updated(self, chunk_id: int) -> None:
         """The optimizer wrote a fixed chunk's compute copy (and master) itself."""
         chunk = self.chunks[chunk_id]
+        chunk.updates += 1
         chunk.loaded_versions = self._versions(chunk)
 
     def _round_master(self, chunk: Chunk) -> None:
@@ -757,7 +863,7 @@ class ChunkManager:
 
     def report(self) -> str:
         lay, st, arena = self.layout, self.stats, self.arena.stats()
-        steps = max(len(st.per_step_bytes), 1)
+        steps = max(st.training_steps, 1)
         current = any(phase == "backward" for _, phase in self._recorded)
         moved = self._step_bytes if current or not st.per_step_bytes else st.per_step_bytes[-1]
         lines = [
@@ -770,7 +876,7 @@ class ChunkManager:
             "gradient bytes",
             f"moved host->compute: {moved:,} bytes in the last training step "
             f"({moved / max(lay.param_bytes, 1):.2f}x the parameter bytes; "
-            f"{sum(st.per_step_bytes) / steps:,.0f} per step on average)",
+            f"{st.moved_bytes_total / steps:,.0f} per step on average)",
             f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
             f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
         ]

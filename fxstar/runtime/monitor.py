@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     seconds: float
     chunk_bytes: int
@@ -23,10 +23,15 @@ class Sample:
 
 @dataclass
 class MemoryMonitor:
-    read: Callable[[], tuple[int, int]]  # -> (chunk bytes, other bytes)
+    """Samples (chunk bytes, other bytes) every `interval` seconds on a thread of its own.
+    Bounded: the most recent `max_samples` are kept (older halves dropped), the peak over the
+    whole run is kept apart. The thread stops when `read` returns None (its owner is gone)."""
+
+    read: Callable[[], tuple[int, int] | None]
     interval: float = 0.001
-    max_samples: int = 200_000
+    max_samples: int = 20_000
     samples: list[Sample] = field(default_factory=list)
+    peak: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -39,18 +44,22 @@ class MemoryMonitor:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-            self._thread = None
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         start = time.perf_counter()
         while not self._stop.wait(self.interval):
-            chunks, other = self.read()
+            value = self.read()
+            if value is None:
+                return
+            chunks, other = value
             if len(self.samples) >= self.max_samples:
                 del self.samples[: self.max_samples // 2]  # keep the recent half
             self.samples.append(Sample(time.perf_counter() - start, chunks, other))
-
-    @property
-    def peak(self) -> int:
-        return max((s.chunk_bytes + s.nonmodel_bytes for s in self.samples), default=0)
+            self.peak = max(self.peak, chunks + other)

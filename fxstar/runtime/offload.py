@@ -122,7 +122,7 @@ class _HostPool:
         free = self.free.get((nbytes, pin))
         if free:
             return free.pop()
-        return host_empty(max(nbytes, 1), pin=pin)[:nbytes]
+        return host_empty(max(nbytes, 1), zero=False, pin=pin)[:nbytes]  # overwritten at once
 
     def give(self, buffer: torch.Tensor, pin: bool) -> None:
         self.free.setdefault((buffer.numel(), pin), []).append(buffer)

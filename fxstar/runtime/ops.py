@@ -1,47 +1,91 @@
-"""What the nodes of a rewritten graph call. Each looks up the engine's runtime that is running
-the graph (set around every forward), so a dumped graph reads like the program it is:
+"""What the nodes of a rewritten graph call. A graph holds the runtime it calls: the chunk
+passes add a `ChunkRuntime` submodule, read once by a `get_attr` node, and the Engine that
+compiled the graph binds its ChunkManager to it. So a dumped graph reads like the program it
+is, and two engines never reach each other's chunks (a checkpointed region recomputing in
+backward finds its own engine's manager, whichever engine ran forward last):
 
-    fetch_3 = ops.fetch(3)
-    p_h_0_attn_c_attn_weight = ops.param(fetch_3, 'h.0.attn.c_attn.weight')
+    chunk_runtime = self.chunk_runtime
+    chunk3 = ops.fetch(chunk_runtime, 3)
+    p_h_0_attn_c_attn_weight = ops.param(chunk3, 'h.0.attn.c_attn.weight')
     ...
-    ops.release(3)
+    ops.release(chunk_runtime, 3)
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
+from torch import fx, nn
 from torch.fx.node import has_side_effect
 
 if TYPE_CHECKING:
     from fxstar.runtime.chunks import ChunkManager
 
-ACTIVE: ContextVar[ChunkManager | None] = ContextVar("fxstar_chunk_manager", default=None)
-# The manager of the latest forward: a checkpointed region's recomputation runs its fetches
-# during backward, outside the forward's context.
-LAST: list[ChunkManager] = []
+RUNTIME = "chunk_runtime"  # the submodule's name in a graph module (and in its regions)
 
 
-def _manager() -> ChunkManager:
-    manager = ACTIVE.get() or (LAST[0] if LAST else None)
-    if manager is None:
-        raise RuntimeError(
-            "a chunk operation ran outside an fxstar Engine; run the graph through the "
-            "Engine that compiled it"
-        )
-    return manager
+class ChunkRuntime(nn.Module):
+    """The ChunkManager a graph's chunk nodes call; the Engine binds it after compiling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager: ChunkManager | None = None
+
+    def __deepcopy__(self, memo: dict) -> ChunkRuntime:
+        # a copied graph (a kept stage) runs on the same engine: the manager is not copied
+        other = ChunkRuntime()
+        other.manager = self.manager
+        return other
+
+    def get(self) -> ChunkManager:
+        if self.manager is None:
+            raise RuntimeError(
+                "a chunk operation ran in a graph no chunk manager is bound to; run the graph "
+                "through the Engine that compiled it"
+            )
+        return self.manager
+
+    def extra_repr(self) -> str:
+        return "unbound" if self.manager is None else f"device={self.manager.device}"
 
 
-def fetch(chunk: int) -> dict[str, torch.Tensor]:
+def runtime_of(gm: fx.GraphModule, runtime: ChunkRuntime | None = None) -> ChunkRuntime:
+    """The module's ChunkRuntime: `runtime` if given (a region shares its program's), else
+    the one it has, else a new one; added as its submodule."""
+    runtime = runtime or getattr(gm, RUNTIME, None) or ChunkRuntime()
+    if getattr(gm, RUNTIME, None) is not runtime:
+        gm.add_submodule(RUNTIME, runtime)
+    return runtime
+
+
+def runtime_node(gm: fx.GraphModule, runtime: ChunkRuntime | None = None) -> fx.Node:
+    """The graph's `get_attr` of its ChunkRuntime (see runtime_of), added on first use."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target == RUNTIME:
+            return node
+    runtime_of(gm, runtime)
+    first = next((n for n in gm.graph.nodes if n.op != "placeholder"), None)
+    context = gm.graph.inserting_before(first) if first is not None else contextlib.nullcontext()
+    with context:
+        return gm.graph.get_attr(RUNTIME)
+
+
+def runtimes(gm: fx.GraphModule) -> list[ChunkRuntime]:
+    """Every ChunkRuntime a graph module and its regions call, once each."""
+    found = {id(m): m for m in gm.modules() if isinstance(m, ChunkRuntime)}
+    return list(found.values())
+
+
+def fetch(runtime: ChunkRuntime, chunk: int) -> dict[str, torch.Tensor]:
     """The chunk's parameters on the compute tier, by every name (aliases included)."""
-    return _manager().fetch(chunk)
+    return runtime.get().fetch(chunk)
 
 
-def release(chunk: int) -> None:
+def release(runtime: ChunkRuntime, chunk: int) -> None:
     """The graph is done with every alias of the chunk's parameters until backward."""
-    _manager().release(chunk)
+    runtime.get().release(chunk)
 
 
 def param(fetched: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -59,9 +103,10 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu")
 
 
-def to_compute(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_compute(
+    t: torch.Tensor, runtime: ChunkRuntime, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A host embedding lookup's result, back on the compute tier (in the compute dtype when
     the host weight is an fp32 master and the compute runs in bf16/fp16)."""
-    manager = ACTIVE.get()
-    device = t.device if manager is None else manager.device
+    device = t.device if runtime.manager is None else runtime.manager.device
     return t.to(device=device, dtype=dtype)

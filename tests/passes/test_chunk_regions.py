@@ -45,7 +45,7 @@ def test_fetches_live_inside_the_regions_and_recomputation_is_planned():
     assert any(n.target is ops.fetch for n in region.graph.nodes)
     assert not any(getattr(a, "op", None) == "placeholder" for a in call_node.args)
     plan = engine.program.meta[PLAN_KEY]
-    inside = [n.args[0] for n in region.graph.nodes if n.target is ops.fetch]
+    inside = [n.args[1] for n in region.graph.nodes if n.target is ops.fetch]
     backward = plan.chunks[plan.forward_len :]
     assert all(c in backward for c in inside)  # fetched again for the recomputation
     engine(*tokens()).backward()

@@ -65,3 +65,45 @@ def test_backward_peak_walks_kept_bytes_back_with_recomputation():
     assert backward_peak(steps) == 30 + 30  # the last node's gradient, all kept
     region = [BackwardStep(4, 2, frees=10), BackwardStep(0, 3, back=16, frees=10)]
     assert backward_peak([BackwardStep(1, 0), *region]) == 1 + 4 + 16 + 3
+
+
+class CountingNorm(torch.nn.Module):
+    """BatchNorm (running statistics updated in forward) and a counter bumped in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 1)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, y):
+        self.calls.add_(1)
+        return (self.head(torch.relu(self.norm(self.lin(x)))) - y).square().mean()
+
+
+def test_measuring_leaves_every_buffer_and_parameter_as_it_was():
+    """The measurement runs a real forward; the training IR updates buffers in place."""
+    from fxstar.engine import compile
+    from fxstar.plan import Plan
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    plans = [
+        Plan(passes=["shape_memory"]),
+        Plan(device_memory="1MiB"),
+        Plan(checkpoint="auto", activation_memory="1KiB"),
+        Plan(passes=["shape_memory"], verify=True),
+    ]
+    for plan in plans:
+        model = CountingNorm()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        compile(model, plan, example_inputs=(x, y))
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[key]), (plan.describe(), key)
+    model = CountingNorm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    program = capture(model, (x, y), method="symbolic_trace")
+    PassManager(["shape_memory"]).run(program)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), ("symbolic_trace", key)
