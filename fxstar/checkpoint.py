@@ -536,22 +536,20 @@ def mismatches(
 def copy_parameters(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
     """Copy into the tensors the engine trains, never replacing them (the optimizer, the chunk
     manager and the model hold them; a copy bumps their version, so a chunk whose compute
-    copy is stale is fetched again)."""
-    fed = engine.store.tensors()
-    derived = [n for n in params if n not in fed]
-    if derived:
-        raise NotImplementedError(
-            "loading into parameters a pass split into parts (tiles, shards) is not supported "
-            f"yet: {', '.join(derived)}; load into the model before compile instead "
-            "(fxstar.load(dir, model))"
-        )
-    done: set[int] = set()
+    copy is stale is fetched again). A parameter a pass cut into parts (tiles) is cut the
+    same way; a buffer is copied into the engine's own."""
+    store = engine.store
+    fed = store.tensors()
+    done: set[str] = set()
     with torch.no_grad():
         for name, value in params.items():
-            target = fed[name]
-            if id(target) not in done:
-                done.add(id(target))
-                target.copy_(value)
+            if name in fed and not isinstance(fed[name], nn.Parameter):
+                fed[name].copy_(value)  # a buffer (bf16/fp16: the traced copy's)
+                continue
+            canonical = store.aliases(name)[0]
+            if canonical not in done:
+                done.add(canonical)
+                store.assign(canonical, value)
 
 
 def resolve(path: str | os.PathLike) -> Path:

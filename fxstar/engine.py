@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -92,6 +93,8 @@ class Engine(nn.Module):
             raise ValueError("plan.verify needs method='export' (it feeds cloned parameters)")
         _claim(model, self)
         self._closed = False
+        # forward and step change the chunks' state: one thread at a time (a second waits)
+        self._lock = threading.RLock()
         self._fed: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # see _check_model
 
     # -- running ------------------------------------------------------------------------------
@@ -99,6 +102,10 @@ class Engine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise EngineStateError("the engine was closed; compile the model again to train on")
+        with self._lock:
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         args, kwargs = self._compute_inputs(args, kwargs)
         self._check_model()
         program = self.prepare(*args, **kwargs)
@@ -252,14 +259,20 @@ class Engine(nn.Module):
         layout = program.meta[LAYOUT_KEY]
         nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
         budget = plan.resolve_size("device_memory", program.param_bytes)
-        if budget is None:  # mixed precision without a budget: every chunk stays resident
-            block = -(-layout.chunk_bytes // ALIGNMENT) * ALIGNMENT  # the arena rounds blocks up
-            budget = nonmodel + (len(layout.chunks) + 1) * block
-        static = int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition else None
         device = next(iter(tensors.values())).device
-        # On a GPU the arena shares the card with activations, so it leaves them their peak;
-        # on CPU-only machines activations live elsewhere and the share is enforced per moment.
-        capacity = budget if device.type == "cpu" else budget - nonmodel
+        static = None
+        if budget is None:
+            # mixed precision without a budget: every chunk stays resident, and activations
+            # (of any later capture, whatever its shapes) are not budgeted
+            block = -(-layout.chunk_bytes // ALIGNMENT) * ALIGNMENT  # the arena rounds blocks up
+            capacity = (len(layout.chunks) + 1) * block
+        else:
+            if plan.static_partition:
+                static = int(plan.warmup_gpu_chunk_mem_ratio * budget)
+            # On a GPU the arena shares the card with activations, so it leaves them their
+            # peak; on CPU-only machines activations live elsewhere and the share is enforced
+            # per moment.
+            capacity = budget if device.type == "cpu" else budget - nonmodel
         return ChunkManager(
             layout, tensors, masters=masters, budget=budget, arena_capacity=capacity,
             device=device, static_share=static, mem_cache=plan.mem_cache,
@@ -325,7 +338,12 @@ class Engine(nn.Module):
 
     def step(self) -> bool:
         """One optimizer step every `accumulation_steps` calls (gradients summed meanwhile),
-        with gradient clipping if planned, then gradients zeroed. True when it stepped."""
+        with gradient clipping if planned, then gradients zeroed. True when it stepped. Safe
+        to call from several threads: steps run one after the other."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> bool:
         self._micro_steps += 1
         opt = self.plan.optimizer
         if self._micro_steps % opt.accumulation_steps:
@@ -481,6 +499,7 @@ class Engine(nn.Module):
             "compile time: "
             + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in program.timings.items())
         )
+        lines.append(self._optimizer_line())
         if self.chunks is not None:
             lines.append(self.chunks.report())
         if self.scaler is not None:
@@ -498,14 +517,41 @@ class Engine(nn.Module):
             lines.append(line() if callable(line) else str(line))
         return "\n".join(lines)
 
+    def _optimizer_line(self) -> str:
+        """What the optimizer does, and where that differs from torch.optim's defaults (a user
+        porting a torch loop expects those)."""
+        opt = self.plan.optimizer
+        groups = _param_groups(self.store, opt)
+        decayed = sum(len(g["params"]) for g in groups if g["weight_decay"])
+        exempt = sum(len(g["params"]) for g in groups) - decayed
+        line = (
+            f"optimizer: {opt.type} lr={opt.lr:g} betas={tuple(opt.betas)} eps={opt.eps:g} "
+            f"weight_decay={opt.weight_decay:g}"
+        )
+        if opt.weight_decay:
+            line += (
+                f" on {decayed} tensors, none on {exempt} matching no_decay {list(opt.no_decay)}"
+            )
+        torch_decay = {"adamw": 0.01, "adam": 0.0, "sgd": 0.0}[opt.type]
+        if opt.type != "sgd" and opt.weight_decay != torch_decay:
+            line += (
+                f" (torch.optim.{'AdamW' if opt.type == 'adamw' else 'Adam'}'s default is "
+                f"weight_decay={torch_decay:g} on every tensor)"
+            )
+        return line
+
     def memory_timeline(self, path: str | os.PathLike = "memory_timeline.png") -> str:
         """A PNG of memory per moment of the last step: chunks, activations, share, budget."""
         from fxstar.timeline import plot_timeline
 
         if self.chunks is None:
             raise ValueError("memory_timeline needs the chunk engine: set plan.device_memory")
-        title = f"{type(self.model).__name__}: device_memory {format_size(self.chunks.budget)}"
-        return plot_timeline(self.chunks.tracer, self.chunks.budget, path, title)
+        budget = self.chunks.budget
+        title = f"{type(self.model).__name__}: device_memory " + (
+            "none (every chunk resident)" if budget is None else format_size(budget)
+        )
+        line = self.chunks.arena.capacity if budget is None else budget
+        return plot_timeline(self.chunks.tracer, line, path, title)
 
     def extra_repr(self) -> str:
         return f"model={type(self.model).__name__}, passes={self.pass_manager.names}"

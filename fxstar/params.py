@@ -25,6 +25,7 @@ Consolidate = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 class Derived:
     parts: dict[str, nn.Parameter]  # full name -> part
     consolidate: Consolidate  # parts (by full name) -> the original tensor's values
+    make_parts: Callable[[torch.Tensor], dict[str, torch.Tensor]]  # values -> suffix -> part
 
 
 class ParameterStore:
@@ -85,8 +86,21 @@ class ParameterStore:
                 parts[full] = nn.Parameter(value.clone(), requires_grad=original.requires_grad)
         for alias in self.aliases(canonical):
             del self._tensors[alias]
-        self._derived[canonical] = Derived(parts, consolidate)
+        self._derived[canonical] = Derived(parts, consolidate, make_parts)
         return parts
+
+    def assign(self, name: str, value: torch.Tensor) -> None:
+        """Copy `value` (the model's full tensor under one of its names) into what is fed in
+        its place, in place: the tensor itself, or the parts a pass cut from it, cut the same
+        way (a checkpoint loaded into a tiled or sharded engine)."""
+        derived = self._derived.get(self._canonical(name))
+        with torch.no_grad():
+            if derived is None:
+                self._tensors[name].copy_(value)
+                return
+            for suffix, part in derived.make_parts(value.detach()).items():
+                full = f"{self._canonical(name)}.{suffix}" if suffix else self._canonical(name)
+                derived.parts[full].copy_(part)
 
     def rebind(self, name: str, tensor: torch.Tensor) -> None:
         """Feed `tensor` wherever `name` or one of its aliases was fed (same values); `name`

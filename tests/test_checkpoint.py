@@ -34,6 +34,11 @@ def plan_for(kind: str) -> Plan:
     their optimizer on the compute tier)."""
     if kind == "plain":
         return Plan(optimizer=OPTIMIZER)
+    if kind.startswith("tiled"):  # parameters cut into tiles: loaded by cutting them again
+        tiles = {"in_splits": 2, "out_splits": 2, "min_size": 1024}
+        return plan_for(kind.removeprefix("tiled").lstrip("+") or "plain").replace(
+            tiled_linear=tiles
+        )
     ids, targets = tokens()
     program = compile(tiny_gpt(), Plan(passes=["shape_memory"]), (ids, targets)).program
     share = 0.5 if kind == "chunk" else 2.0
@@ -60,16 +65,17 @@ def train(engine, scheduler, steps: range) -> list[torch.Tensor]:
     return losses
 
 
-@pytest.mark.parametrize("kind", ["plain", "chunk", "hybrid"])
+@pytest.mark.parametrize("kind", ["plain", "chunk", "hybrid", "tiled", "tiled+chunk"])
 def test_resume_into_a_fresh_engine_is_bitwise_exact(kind, tmp_path):
     plan = plan_for(kind)
     engine, scheduler = build(plan)
-    if kind != "plain":
+    if kind in ("chunk", "hybrid"):
         assert engine.chunks is not None and len(engine.chunks.layout.chunks) >= 2
     torch.manual_seed(1234)
     expected = train(engine, scheduler, range(20))
-    kept = engine.optimizer.device_chunks if kind != "plain" else []
-    assert bool(kept) == (kind == "hybrid")
+    kept = engine.optimizer.device_chunks if engine.chunks is not None else []
+    if kind in ("chunk", "hybrid"):
+        assert bool(kept) == (kind == "hybrid")
 
     engine, scheduler = build(plan)
     torch.manual_seed(1234)
@@ -79,7 +85,7 @@ def test_resume_into_a_fresh_engine_is_bitwise_exact(kind, tmp_path):
     engine, scheduler = build(plan, seed=5)  # other weights: the load must overwrite them
     engine.load(tmp_path / "ckpt")
     assert engine.training_state()["step"]["optimizer_steps"] == 10
-    if kind != "plain":  # the same chunks are updated by the same kernels as before
+    if engine.chunks is not None:  # the same chunks are updated by the same kernels as before
         assert engine.optimizer.device_chunks == kept
     rest = train(engine, scheduler, range(10, 20))
     for step, (got, want) in enumerate(zip(first + rest, expected)):

@@ -3,6 +3,7 @@ backward after the weights it saved were stepped, a second engine over one model
 replaced after compile, dtype changes under the chunk engine."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -113,3 +114,29 @@ def test_dtype_changes_refused_under_chunks_and_followed_without():
     plain.to(torch.float64)
     assert all(p.dtype == torch.float64 for p in plain.parameters())
     assert plain(*tokens()).dtype == torch.float64
+
+
+def test_step_from_two_threads_steps_one_after_the_other():
+    """Two threads stepping at once (a forward in flight would go stale: that raises, see
+    above): the steps are serialized, no internal state error."""
+    engine = compile(gpt(), chunk_plan(optimizer={"type": "adamw", "lr": 1e-3}),
+                     example_inputs=tokens())  # fmt: skip
+    errors = []
+    for round_ in range(5):
+        engine(*tokens(seed=round_)).backward()
+        start = threading.Barrier(2)
+
+        def step(start: threading.Barrier = start) -> None:
+            try:
+                start.wait()
+                engine.step()
+            except Exception as error:  # noqa: BLE001 - collected for the assertion
+                errors.append(error)
+
+        threads = [threading.Thread(target=step) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert engine._micro_steps == 10

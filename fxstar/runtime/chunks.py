@@ -150,7 +150,7 @@ class ChunkManager:
         params: dict[str, torch.Tensor],
         *,
         masters: dict[str, torch.Tensor] | None = None,
-        budget: int,
+        budget: int | None,
         arena_capacity: int,
         device: torch.device | str = "cpu",
         static_share: int | None = None,
@@ -617,6 +617,8 @@ class ChunkManager:
             return self.static_share
         plan = self._plan
         nonmodel = plan.nonmodel_bytes[t] if plan is not None and t < len(plan) else 0
+        if self.budget is None:  # no device_memory: the arena holds every chunk
+            return self.arena.capacity - self.reserved_bytes()
         return min(self.arena.capacity, self.budget - nonmodel) - self.reserved_bytes()
 
     def resident_bytes(self) -> int:
@@ -759,8 +761,8 @@ class ChunkManager:
         return ChunkBudgetError(
             f"chunk budget exceeded at access {t} ({why}): chunks {pinned} are in use, "
             f"{self.layout.chunk_bytes:,} bytes each; the share there is {self.share(t):,} "
-            f"of device_memory {self.budget:,} bytes. Use a smaller chunk_size, checkpointing, "
-            "or a larger device_memory."
+            f"of device_memory {self.budget or self.arena.capacity:,} bytes. Use a smaller "
+            "chunk_size, checkpointing, or a larger device_memory."
         )
 
     # -- the optimizer's room on the compute tier (HybridAdam's device half) --------------------
@@ -773,6 +775,8 @@ class ChunkManager:
         moments = self.tracer.training_step()
         if self.static_share is not None or not any(m.phase == "backward" for m in moments):
             return 0
+        if self.budget is None:
+            return 0  # nothing to plan a margin from
         by_budget = self.budget - max(m.pinned_bytes + m.nonmodel_bytes for m in moments)
         by_arena = self.arena.capacity - max(m.pinned_bytes for m in moments)
         return max(int(ratio * min(by_budget, by_arena)) - self.reserved_bytes(), 0)
@@ -869,7 +873,9 @@ class ChunkManager:
         lines = [
             f"chunks: {len(lay.chunks)} x {lay.chunk_bytes:,} bytes ({lay.chunk_size:,} "
             f"{str(lay.dtype).split('.')[-1]}), {lay.wasted_bytes:,} bytes unused",
-            f"compute tier ({self.device}): budget {self.budget:,}, arena {arena['capacity']:,}, "
+            f"compute tier ({self.device}): budget "
+            + ("none (every chunk resident)" if self.budget is None else f"{self.budget:,}")
+            + f", arena {arena['capacity']:,}, "
             f"peak chunks {arena['peak_in_use']:,}, now {self.resident_bytes():,}",
             f"host tier: {len(lay.chunks) * lay.chunk_bytes:,} parameter and "
             f"{sum(c.host_grad is not None for c in self.chunks) * lay.chunk_bytes:,} "
