@@ -229,12 +229,12 @@ class Engine(nn.Module):
         the engine and any optimizer keep seeing one set of tensors."""
         if LAYOUT_KEY not in program.meta or self.chunks is not None:
             return
-        # fp32 masters: the model's own parameters; parts a pass derived (tiles, shards) from
-        # the fed values (under bf16/fp16 those start from rounded values)
-        masters = {
-            **self.store.tensors(),
-            **dict(self.model.named_parameters(remove_duplicate=False)),
-        }
+        # fp32 masters: the model's own parameters, and the parts a pass cut from one (tiles,
+        # a rank's shard) cut the same way from it: never a full tensor where a part is fed,
+        # nor (bf16/fp16) parts cut from the rounded copy
+        masters = dict(self.store.tensors())
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            masters.update(self.store.cut(name, p.detach()))
         self.chunks = self._chunk_manager(program, self.store.tensors(), masters)
         slots = self.chunks.layout.slots()
         own = dict(self.model.named_parameters(remove_duplicate=False))

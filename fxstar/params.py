@@ -89,18 +89,25 @@ class ParameterStore:
         self._derived[canonical] = Derived(parts, consolidate, make_parts)
         return parts
 
+    def cut(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fed name -> values, for `value` given as the model's full tensor `name`: itself, or
+        the parts a pass derived from it, cut from `value` the same way."""
+        canonical = self._canonical(name)
+        derived = self._derived.get(canonical)
+        if derived is None:
+            return {name: value}
+        return {
+            (f"{canonical}.{suffix}" if suffix else canonical): part
+            for suffix, part in derived.make_parts(value).items()
+        }
+
     def assign(self, name: str, value: torch.Tensor) -> None:
-        """Copy `value` (the model's full tensor under one of its names) into what is fed in
-        its place, in place: the tensor itself, or the parts a pass cut from it, cut the same
-        way (a checkpoint loaded into a tiled or sharded engine)."""
-        derived = self._derived.get(self._canonical(name))
+        """Copy `value` (the model's full tensor `name`) into what is fed in its place, in
+        place (a checkpoint loaded into a tiled or sharded engine)."""
+        fed = self.tensors()
         with torch.no_grad():
-            if derived is None:
-                self._tensors[name].copy_(value)
-                return
-            for suffix, part in derived.make_parts(value.detach()).items():
-                full = f"{self._canonical(name)}.{suffix}" if suffix else self._canonical(name)
-                derived.parts[full].copy_(part)
+            for full, part in self.cut(name, value.detach()).items():
+                fed[full].copy_(part)
 
     def rebind(self, name: str, tensor: torch.Tensor) -> None:
         """Feed `tensor` wherever `name` or one of its aliases was fed (same values); `name`

@@ -9,6 +9,8 @@ says so in `enabled_by(plan)`; `passes_for(plan)` adds those to what `plan.passe
 Every module of this package is a built-in pass and is imported with it.
 Analysis passes write `node.meta` (and `node.meta["fxstar_notes"]` for what dumps show);
 rewrite passes add or replace nodes. Passes never import the engine or runtime internals.
+A pass that crashes surfaces as a PassError naming it and the node it was at; errors that
+explain themselves (FxstarError, PlanError) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from collections.abc import Callable, Iterable, Sequence
 from graphlib import CycleError, TopologicalSorter
 from typing import Any, Protocol, runtime_checkable
 
-from fxstar.errors import IRError, PassOrderError
+from torch import fx
+
+from fxstar.dump import target_name
+from fxstar.errors import FxstarError, IRError, PassOrderError
+from fxstar.plan import PlanError
 from fxstar.program import EXPORT, Program
 
 __all__ = [
     "FunctionPass",
     "Pass",
+    "PassError",
     "PassLike",
     "PassManager",
     "get",
@@ -177,6 +184,60 @@ def _unknown_message(names: Sequence[str]) -> str:
     return f"unknown pass name(s): {', '.join(names)}; registered passes: {known}"
 
 
+class PassError(FxstarError, RuntimeError):
+    """A pass crashed. Names the pass and, where it can tell, the node it was at (a `node`
+    attribute of the error, else the innermost frame of the traceback holding an fx.Node);
+    the original is `__cause__`. `program` is the Program the pass was given: its last stage
+    is the graph the pass saw (`fxstar.dump(error.program)`)."""
+
+    def __init__(self, pass_name: str, original: Exception, program: Program):
+        self.pass_name = pass_name
+        self.program = program
+        node = _failing_node(original)
+        self.node = None if node is None else node.name
+        first = str(original).strip().splitlines()
+        lines = [f"pass {pass_name!r} failed: {type(original).__name__}: "
+                 f"{first[0] if first else ''}"]  # fmt: skip
+        if node is not None:
+            lines.append(f"  at node: {_describe(node)}")
+        if program.stages:
+            lines.append(
+                f"  graph it was given: stage {program.stages[-1].name!r} "
+                "(print it with fxstar.dump(error.program))"
+            )
+        lines.append(
+            f"  try: compile without {pass_name!r} (drop it from plan.passes, or the plan option "
+            "that turns it on); a crash in a pass of fxstar's own is a bug: report it with that "
+            "graph"
+        )
+        super().__init__("\n".join(lines))
+
+
+def _failing_node(error: BaseException) -> fx.Node | None:
+    """The node the error names (`error.node`), else the innermost traceback frame's fx.Node
+    local (one called `node` first): the node the failing code was working on."""
+    node = getattr(error, "node", None)
+    if isinstance(node, fx.Node):
+        return node
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        nodes = [v for v in local.values() if isinstance(v, fx.Node)]
+        if isinstance(local.get("node"), fx.Node):
+            found = local["node"]
+        elif nodes:
+            found = nodes[0]
+        tb = tb.tb_next
+    return found
+
+
+def _describe(node: fx.Node) -> str:
+    what = node.op if node.op in ("placeholder", "output", "get_attr") else target_name(node.target)
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    return f"{node.name} ({what}" + (f" @{stack[-1][0]})" if stack and stack[-1][0] else ")")
+
+
 Check = Callable[[PassLike, Program], None]
 
 
@@ -257,6 +318,7 @@ class PassManager:
         """Run every pass in order, record a stage after each, then call `check(pass, program)`.
 
         `check` is how verification hooks in (see fxstar.verify) without passes knowing it.
+        A pass that raises anything but an error that explains itself raises PassError.
         """
         for p in self.order:
             if getattr(p, "needs_export_ir", True) and program.ir != EXPORT:
@@ -266,7 +328,12 @@ class PassManager:
                     "method='export' or drop the pass"
                 )
             start = time.perf_counter()
-            result = p(program)
+            try:
+                result = p(program)
+            except (FxstarError, PlanError):
+                raise
+            except Exception as error:
+                raise PassError(p.name, error, program) from error
             program = program if result is None else result
             program.record(p.name)
             program.timings[p.name] = time.perf_counter() - start

@@ -11,8 +11,11 @@ Follows the decision of `checkpoint_regions`. The form, which later passes desce
   inside are inputs too (never get_attr), so a pass that fetches parameters for the region
   can put its nodes inside it, and they run again during recomputation;
 - the call is a call_function node with the get_attr of the submodule among its arguments
-  (the first one here; `region_of(node)` finds it, whatever wraps the call); with one
-  output the call's value is that output, with several a tuple read through `getitem`s;
+  (the first one here; `region_of(node)` finds it, whatever wraps the call); the submodule
+  is marked (`meta[REGION_KEY]`, the region's module path), so the submodules of torch's
+  own higher-order ops (`wrap_with_set_grad_enabled` for a `torch.no_grad()` block,
+  `wrap_with_autocast`) are not taken for regions; with one output the call's value is that
+  output, with several a tuple read through `getitem`s;
 - `run_region` calls `torch.utils.checkpoint.checkpoint(region, *inputs,
   use_reentrant=False)`, which saves only the inputs and replays the RNG state (dropout).
 Runs before the chunk passes (`chunk_layout`, `chunk_schedule`) so their fetch/release nodes
@@ -32,33 +35,45 @@ from fxstar.program import Program
 from fxstar.runtime.checkpoint import run_region
 from fxstar.sizes import format_size
 
-__all__ = ["REGION_PREFIX", "Checkpoint", "fuse_region", "region_calls", "region_of"]
+__all__ = [
+    "REGION_KEY",
+    "REGION_PREFIX",
+    "Checkpoint",
+    "fuse_region",
+    "region_calls",
+    "region_of",
+]
 
 REGION_PREFIX = "checkpoint_"
+REGION_KEY = "fxstar.region"
+"""GraphModule.meta key that marks a region submodule (value: the region's module path)."""
+
+
+def _region_arg(node: fx.Node) -> tuple[int, fx.GraphModule] | None:
+    """(position, submodule) of the first argument of `node` that is a region's get_attr."""
+    if node.op != "call_function":
+        return None
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            module = getattr(node.graph.owning_module, str(arg.target), None)
+            if isinstance(module, fx.GraphModule) and REGION_KEY in module.meta:
+                return i, module
+    return None
 
 
 def region_of(node: fx.Node) -> fx.GraphModule | None:
-    """The region submodule a call node runs (its first get_attr argument that is an
-    fx.GraphModule), or None if it is not a region call."""
-    if node.op != "call_function":
-        return None
-    for arg in node.args:
-        if isinstance(arg, fx.Node) and arg.op == "get_attr":
-            module = getattr(node.graph.owning_module, str(arg.target), None)
-            if isinstance(module, fx.GraphModule):
-                return module
-    return None
+    """The region submodule a call node runs, or None if it is not a region call."""
+    found = _region_arg(node)
+    return None if found is None else found[1]
 
 
 def region_inputs(node: fx.Node) -> tuple[int, tuple]:
     """(index of the first region input in node.args, the inputs): what follows the region's
     own get_attr argument (an offloaded call has other modules before it)."""
-    module = node.graph.owning_module
-    for i, arg in enumerate(node.args):
-        is_attr = isinstance(arg, fx.Node) and arg.op == "get_attr"
-        if is_attr and isinstance(getattr(module, str(arg.target), None), fx.GraphModule):
-            return i + 1, tuple(node.args[i + 1 :])
-    raise ValueError(f"{node.name} is not a region call")
+    found = _region_arg(node)
+    if found is None:
+        raise ValueError(f"{node.name} is not a region call")
+    return found[0] + 1, tuple(node.args[found[0] + 1 :])
 
 
 def region_calls(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.GraphModule]]:
@@ -86,7 +101,9 @@ def fuse_region(program: Program, region: Region, name: str) -> fx.Node:
     for n in nodes:
         env[n] = body.node_copy(n, env.__getitem__)
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    gm.add_submodule(name, fx.GraphModule(gm, body, class_name=name))
+    submodule = fx.GraphModule(gm, body, class_name=name)
+    submodule.meta[REGION_KEY] = region.module
+    gm.add_submodule(name, submodule)
 
     with graph.inserting_after(nodes[-1]):
         module_node = graph.get_attr(name)

@@ -11,6 +11,10 @@ Analysis only; the `checkpoint` pass follows the decision. Regions come from eac
   `shape_memory` measurement, run here if it did not run) within `plan.activation_memory`.
 `plan.checkpoint_every=k` keeps every k-th region. A region is the contiguous span of graph
 nodes from the first to the last node of its module (export lists nodes in execution order).
+A higher-order op (export's form of a `torch.no_grad()` or `torch.autocast` block inside
+forward: a `wrap_with_set_grad_enabled` call on a submodule, read through `getitem`s) is
+never a region of its own (a frozen teacher is no block), and a region never splits one: it
+takes the op whole, with the region its results land in, or not at all.
 The decision is data (`program.meta[DECISION_KEY]`, a CheckpointDecision) and shows in the
 dump as notes on each region's first node; a pass running after this one may edit it.
 """
@@ -18,10 +22,12 @@ dump as notes on each region's first node; a pass running after this one may edi
 from __future__ import annotations
 
 import fnmatch
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx
+from torch._ops import HigherOrderOperator
 
 from fxstar.dump import NOTES_KEY
 from fxstar.passes import Pass, get, register
@@ -85,11 +91,11 @@ def _stack(node: fx.Node) -> list[tuple[str, Any]]:
     return list((node.meta.get("nn_module_stack") or {}).values())
 
 
-def _repeated_parents(graph: fx.Graph) -> set[str]:
+def _repeated_parents(nodes: list[fx.Node]) -> set[str]:
     """Module paths holding at least two indexed children of one class (a ModuleList of
     blocks)."""
     children: dict[str, dict[str, set[str]]] = {}
-    for node in graph.nodes:
+    for node in nodes:
         for path, kind in _stack(node):
             parent, _, last = path.rpartition(".")
             if last.isdigit():
@@ -117,30 +123,74 @@ def _pattern_key(node: fx.Node, patterns: tuple[str, ...]) -> str | None:
     return None
 
 
-def find_regions(graph: fx.Graph, patterns: tuple[str, ...] | None = None) -> list[Region]:
-    """Regions of the graph: the repeated blocks, or the modules matching `patterns`."""
+def _op_units(nodes: list[fx.Node]) -> dict[int, tuple[int, int]]:
+    """Position -> (first, last) position of the higher-order op it belongs to: the call, the
+    get_attr of its submodule and the getitems reading its results. A no_grad block's outputs
+    carry the module stack of the code around them; they must not make a region of their
+    own, and a region must not take the call without its submodule or its results."""
+    index = {n: i for i, n in enumerate(nodes)}
+    units: dict[int, tuple[int, int]] = {}
+    for node in nodes:
+        if isinstance(node.target, HigherOrderOperator):
+            attrs = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+            reads = [u for u in node.users if u.target is operator.getitem]
+            where = [index[m] for m in (*attrs, node, *reads) if m in index]
+            for i in where:
+                units[i] = (min(where), max(where))
+    return units
+
+
+def _widen(first: int, last: int, units: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """The span grown until it holds every higher-order op it touches whole."""
+    while True:
+        ends = [units[i] for i in range(first, last + 1) if i in units]
+        lo, hi = min([first, *(a for a, _ in ends)]), max([last, *(b for _, b in ends)])
+        if (lo, hi) == (first, last):
+            return first, last
+        first, last = lo, hi
+
+
+def find_regions(
+    graph: fx.Graph, patterns: tuple[str, ...] | None = None, *, skip_conflicts: bool = False
+) -> list[Region]:
+    """Regions of the graph: the repeated blocks, or the modules matching `patterns`.
+
+    A module whose span holds another module's nodes (the two interleave, or one module is
+    called again after others, as a block's dropout around its MLP) cannot be a region:
+    ValueError, or with `skip_conflicts` (a search over candidates) it is left out.
+    """
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    units = _op_units(nodes)
     if patterns is None:
-        repeated = _repeated_parents(graph)
+        repeated = _repeated_parents([n for i, n in enumerate(nodes) if i not in units])
         key = lambda node: _block_key(node, repeated)  # noqa: E731
     else:
         key = lambda node: _pattern_key(node, patterns)  # noqa: E731
-    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    keys = [None if i in units else key(node) for i, node in enumerate(nodes)]
     span: dict[str, list[int]] = {}  # module -> [first, last] position
-    for i, node in enumerate(nodes):
-        module = key(node)
+    for i, module in enumerate(keys):
         if module is not None:
             span.setdefault(module, [i, i])[1] = i
-    regions = []
-    owner: dict[int, str] = {}
+    for first, last in set(units.values()):  # an op whose results land in a region joins it
+        module = key(nodes[last])  # its last getitem, in the module stack it ended in
+        if module in span:
+            span[module] = [min(span[module][0], first), max(span[module][1], last)]
+    regions: list[Region] = []
+    end = -1  # last position of the region before
     for module, (first, last) in sorted(span.items(), key=lambda item: item[1][0]):
-        for i in range(first, last + 1):
-            if i in owner:
-                raise ValueError(
-                    f"checkpoint regions {owner[i]!r} and {module!r} interleave in the graph; "
-                    "choose module patterns whose nodes are contiguous"
-                )
-            owner[i] = module
+        first, last = _widen(first, last, units)
+        clash = next((k for k in keys[first : last + 1] if k not in (None, module)), None)
+        if clash is None and first <= end:
+            clash = regions[-1].module  # widened into the region before
+        if clash is not None:
+            if skip_conflicts:
+                continue
+            raise ValueError(
+                f"checkpoint regions {clash!r} and {module!r} interleave in the graph; "
+                "choose module patterns whose nodes are contiguous"
+            )
         regions.append(Region(module, [n.name for n in nodes[first : last + 1]]))
+        end = last
     return regions
 
 
@@ -222,7 +272,8 @@ def _refine_last(
     """Try the last chosen block's child modules instead of the whole block: the single child
     that still fits the budget with the highest peak (the least recomputation) wins."""
     last = regions[count - 1]
-    children = [r for r in find_regions(program.graph_module.graph, (f"{last.module}.*",))
+    graph = program.graph_module.graph
+    children = [r for r in find_regions(graph, (f"{last.module}.*",), skip_conflicts=True)
                 if set(r.nodes) <= set(last.nodes)]  # fmt: skip
     if len(children) < 2:
         return regions[:count], estimate

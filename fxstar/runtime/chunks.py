@@ -393,9 +393,7 @@ class ChunkManager:
         grad = torch.is_grad_enabled()
         views = {}
         for slot in chunk.slots:
-            # detached: a leaf of its own, not an autograd view of the arena buffer (views of a
-            # view would route their gradient to the buffer, not to this leaf)
-            view = self._view(chunk, slot.offset, slot.shape).detach()
+            view = self._leaf(chunk, slot)
             if grad and slot.requires_grad:
                 view.requires_grad_(True)
                 view.register_post_accumulate_grad_hook(self._accumulate(slot))
@@ -445,6 +443,17 @@ class ChunkManager:
             return min(self._cursor, max(len(self._plan) - 1, 0))
         self._cursor = positions[i] + 1
         return positions[i]
+
+    def _leaf(self, chunk: Chunk, slot: ParamSlot) -> torch.Tensor:
+        """A parameter's values in the arena as a tensor of its own: not an autograd view of
+        the arena buffer (views of a view would route their gradient to the buffer, not to
+        this leaf), and with a version counter of its own (`detach` would share the buffer's,
+        which every chunk load bumps: a custom Function handing the parameter on as-is would
+        then see its input "modified in place")."""
+        leaf = torch.empty(0, dtype=self.layout.dtype, device=self.device)
+        base = chunk.offset // self.layout.dtype.itemsize + slot.offset
+        stride = torch.empty(slot.shape, device="meta").stride()
+        return leaf.set_(self.arena_elements.untyped_storage(), base, slot.shape, stride)
 
     def _view(self, chunk: Chunk, offset: int, shape, stride=None) -> torch.Tensor:
         base = chunk.offset // self.layout.dtype.itemsize + offset

@@ -2,14 +2,17 @@
 
 import pytest
 import torch
-from conftest import call, example, hf_gpt2, hf_llama, tiny_gpt, tokens
+import torch.nn.functional as F
+from conftest import activation_budget, call, example, hf_gpt2, hf_llama, tiny_gpt, tokens
+from torch import nn
 
+import fxstar
 from fxstar.capture import capture
 from fxstar.dump import diff, dump, to_dot
 from fxstar.engine import compile
 from fxstar.live_bytes import step_peak
 from fxstar.models.gpt import GPT, GPTConfig
-from fxstar.passes.checkpoint import region_calls
+from fxstar.passes.checkpoint import REGION_KEY, region_calls
 from fxstar.passes.checkpoint_regions import DECISION_KEY, find_regions
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.passes.shape_memory import META_KEY, ShapeMemory
@@ -208,3 +211,170 @@ def test_auto_lands_within_ten_percent_of_its_budget_at_a_realistic_width():
     measured = step_peak(engine, engine.parameters(), (ids, targets))
     assert engine.program.meta[DECISION_KEY].estimate == pytest.approx(measured, rel=0.01)
     assert 0.9 * budget <= measured <= budget
+
+
+class GatedBlock(nn.Module):
+    """A block with a statistic taken under torch.no_grad() in its middle: export makes it a
+    higher-order op inside the block's region, run again when the region recomputes."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.ln, self.fc, self.drop = nn.LayerNorm(width), nn.Linear(width, width), nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.ln(x)
+        with torch.no_grad():
+            gate = torch.sigmoid(h.mean(-1, keepdim=True))
+        return x + self.drop(torch.relu(self.fc(h))) * gate
+
+
+class FrozenTeacher(nn.Module):
+    """h.0 and h.1 are a frozen teacher run under torch.no_grad() (its output read back in h.1's
+    module stack, so it looks like a block); h.2 and h.3 a student trained on its features and
+    against them."""
+
+    def __init__(self, width: int = 16, classes: int = 4):
+        super().__init__()
+        self.h = nn.ModuleList(GatedBlock(width) for _ in range(4))
+        self.head = nn.Linear(width, classes)
+        self.h[:2].requires_grad_(False)
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            teacher = x
+            for block in self.h[:2]:
+                teacher = block(teacher)
+        student = teacher
+        for block in self.h[2:]:
+            student = block(student)
+        loss = F.cross_entropy(self.head(student).flatten(0, 1), y.flatten())
+        return loss + F.mse_loss(student, teacher)
+
+
+def frozen_teacher() -> FrozenTeacher:
+    torch.manual_seed(0)
+    return FrozenTeacher()
+
+
+def assert_trains_like_eager(make, plan: Plan, args: tuple = (), kwargs=None) -> fxstar.Engine:
+    """Two SGD steps of `make()` compiled under `plan` and of `make()` in eager: the loss and
+    every gradient (None for frozen parameters) bitwise equal, dropout drawn from one seed."""
+    kwargs = kwargs or {}
+    eager = make()
+    engine = compile(make(), plan.replace(optimizer={"type": "sgd", "lr": 0.1}), args, kwargs)
+    trained = [p for p in eager.parameters() if p.requires_grad]
+    reference = torch.optim.SGD(trained, lr=0.1, momentum=0.9)  # sgd's momentum is betas[0]
+    for step in range(2):
+        losses = []
+        for model in (eager, engine):
+            torch.manual_seed(step)
+            out = model(*args, **kwargs)
+            losses.append(out if isinstance(out, torch.Tensor) else out.loss)
+            losses[-1].backward()
+        assert torch.equal(*losses), step
+        for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters()):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+        reference.step()
+        reference.zero_grad()
+        engine.step()
+    return engine
+
+
+FROZEN_ARGS = (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)),
+               torch.randint(0, 4, (2, 8), generator=torch.Generator().manual_seed(2)))  # fmt: skip
+BLOCKS_2_3 = ["h.2", "h.3"]
+
+
+@pytest.mark.parametrize(
+    ("options", "regions"),
+    [({"checkpoint": "blocks"}, BLOCKS_2_3),
+     ({"checkpoint": "blocks", "offload_activations": True}, BLOCKS_2_3),
+     ({"checkpoint": "auto", "activation_memory": 1}, BLOCKS_2_3),
+     ({"checkpoint": ["h.*.fc"]}, ["h.2.fc", "h.3.fc"])],
+    ids=["blocks", "offload", "auto", "patterns"],
+)  # fmt: skip
+def test_a_no_grad_block_in_forward_is_no_region_and_trains_like_eager(options, regions):
+    engine = assert_trains_like_eager(frozen_teacher, Plan(**options), FROZEN_ARGS)
+    calls = region_calls(engine.program.graph_module)
+    assert [region.meta[REGION_KEY] for _, region in calls] == regions
+    if options["checkpoint"] == "blocks":  # the no_grad op inside each block is inside its region
+        assert "wrap_with_set_grad_enabled" in calls[0][1].code
+
+
+def vit() -> nn.Module:
+    """A transformers ViT whose blocks call one dropout module twice, around their MLP."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=16, patch_size=4, num_labels=3, hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(config)
+
+
+def test_auto_refines_past_a_child_module_that_cannot_be_a_region():
+    g = torch.Generator().manual_seed(1)
+    images = {"pixel_values": torch.randn(2, 3, 16, 16, generator=g),
+              "labels": torch.randint(0, 3, (2,), generator=g)}  # fmt: skip
+    graph = capture(vit(), (), images).graph_module.graph
+    with pytest.raises(ValueError, match="interleave"):  # 'dropout' spans 'mlp'
+        find_regions(graph, ("vit.layers.0.*",))
+    children = [r.module for r in find_regions(graph, ("vit.layers.0.*",), skip_conflicts=True)]
+    assert "vit.layers.0.mlp" in children and "vit.layers.0.dropout" not in children
+    program = compile(vit(), Plan(passes=["shape_memory"]), example_kwargs=images).program
+    budget = int(program.meta[META_KEY].saved_bytes * 0.9)  # part of one block is enough
+    engine = assert_trains_like_eager(vit, Plan(checkpoint="auto", activation_memory=budget),
+                                      kwargs=images)  # fmt: skip
+    chosen = [r.module for r in engine.program.meta[DECISION_KEY].chosen]
+    assert len(chosen) == 1 and chosen[0].startswith("vit.layers.0.")
+    engine = assert_trains_like_eager(vit, Plan(checkpoint="blocks"), kwargs=images)
+    assert len(region_calls(engine.program.graph_module)) == 2
+
+
+def test_a_no_grad_block_under_the_chunk_engine_trains_like_eager():
+    budget = activation_budget(frozen_teacher, 0.5, example_inputs=FROZEN_ARGS)
+    plan = Plan(checkpoint="blocks", offload_activations=True, device_memory=budget)
+    engine = assert_trains_like_eager(frozen_teacher, plan, FROZEN_ARGS)
+    gm = engine.program.graph_module
+    teacher = [n for n in gm.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
+    for node in teacher:  # no regions: their chunks are fetched outside them
+        assert "fetch" not in getattr(gm, node.args[1].target).code
+    assert teacher and "fetch" in gm.code
+
+
+class AutocastBlock(nn.Module):
+    """A block that starts with a part under torch.autocast: export makes it a higher-order op
+    before the block's first node of its own; the op's results land in the block."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = self.a(x)
+        return x + self.b(x) * low.float()
+
+
+class AutocastStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList(AutocastBlock() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def autocast_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return AutocastStack()
+
+
+def test_an_autocast_block_is_checkpointed_with_the_block_it_starts():
+    engine = assert_trains_like_eager(autocast_stack, Plan(checkpoint="blocks"), FROZEN_ARGS[:1])
+    calls = region_calls(engine.program.graph_module)
+    assert [region.meta[REGION_KEY] for _, region in calls] == ["h.0", "h.1", "h.2"]
+    assert all("wrap_with_autocast" in region.code for _, region in calls)

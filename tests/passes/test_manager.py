@@ -5,8 +5,10 @@ from torch import nn
 
 from fxstar import passes
 from fxstar.capture import capture
+from fxstar.dump import dump
 from fxstar.errors import IRError, PassOrderError
-from fxstar.passes import FunctionPass, Pass, PassManager
+from fxstar.passes import FunctionPass, Pass, PassError, PassManager
+from fxstar.plan import PlanError
 
 
 @pytest.fixture
@@ -119,3 +121,27 @@ def test_plan_options_enable_built_in_passes():
         assert passes.passes_for(Plan(seed=123, passes=["t_seeded"])) == ["t_seeded"]
     finally:
         passes.unregister("t_seeded")
+
+
+def test_a_crash_inside_a_pass_names_the_pass_and_the_node():
+    def scale_linears(program):
+        for node in program.graph_module.graph.nodes:
+            if node.name == "linear":
+                node.meta["scale"] = 1 / 0  # a bug, while looking at this node
+
+    def refuse(program):
+        raise PlanError("checkpoint: a message that explains itself")
+
+    program = capture(tiny_gpt(), tokens())
+    with pytest.raises(PassError) as info:
+        PassManager([FunctionPass(scale_linears)]).run(program)
+    error = info.value
+    assert isinstance(error.__cause__, ZeroDivisionError)
+    assert (error.pass_name, error.node, error.program) == ("scale_linears", "linear", program)
+    message = str(error)
+    assert message.startswith("pass 'scale_linears' failed: ZeroDivisionError: division by zero")
+    assert "at node: linear (aten.linear @h.0.attn.c_attn)" in message
+    assert "given: stage 'capture'" in message and "without 'scale_linears'" in message
+    assert dump(error.program).startswith("# stage 0: capture")  # the graph the pass got
+    with pytest.raises(PlanError, match="explains itself"):  # passes through unchanged
+        PassManager([FunctionPass(refuse)]).run(program)

@@ -271,3 +271,45 @@ def test_world_size_4_matches_single_process_and_recompute_saves_the_shard_only(
         assert len(r["keep"]) == 4  # c_attn and c_fc in 2 blocks
         for name, kept in r["keep"].items():
             assert kept - r["recompute"][name] == gathered * (world - 1) // world, name
+
+
+def _compose_worker(rank: int, world: int) -> dict:
+    """Tensor parallel under the chunk engine (shards paged through a budget) and under bf16:
+    the masters are the shards, cut from the model's fp32 weights."""
+    torch.manual_seed(0)
+    failures: list[str] = []
+    reference = _reference("gpt", world)
+    args, kwargs = _inputs("gpt")
+    param_bytes = sum(p.numel() * 4 for p in gpt().parameters())
+    paged = _plan(world, True, device_memory=param_bytes, static_partition=True,
+                  warmup_gpu_chunk_mem_ratio=0.3)  # fmt: skip
+    cases = {
+        "chunks": (paged, TOL),
+        "bf16": (_plan(world, True, precision="bf16"), {"rtol": 5e-2, "atol": 2e-2}),
+    }
+    for label, (plan, tol) in cases.items():
+        engine = fxstar.compile(_make("gpt", world), plan, args, kwargs)
+        assert engine.chunks is not None
+        out = engine(*args, **kwargs)
+        _loss(out).backward()
+        if not torch.allclose(_loss(out).float(), reference["out"], **tol):
+            failures.append(f"{label}: loss {_loss(out).item()} != {reference['out'].item()}")
+        grads = engine.store.consolidate_grads(
+            {n: engine.chunks.grad_view(engine.chunks.layout.slots()[n])
+             if engine.chunks.low_precision else p.grad for n, p in engine.named_parameters()}
+        )  # fmt: skip
+        for name, ref in reference["grads"].items():
+            got = grads[name].float()
+            if got.shape != ref.shape or not torch.allclose(got, ref, **tol):
+                failures.append(f"{label}: grad {name} differs")
+        state = engine.state_dict()  # the fp32 masters, whole: the model's own weights
+        for key, value in reference["model"].state_dict().items():
+            if not torch.equal(state[key].float(), value):
+                failures.append(f"{label}: state_dict[{key}] is not the model's weight")
+    return {"failures": failures}
+
+
+def test_tensor_parallel_composes_with_chunks_and_bf16():
+    results = spawn(_compose_worker, 2)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:20])
