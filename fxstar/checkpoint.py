@@ -63,6 +63,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fxstar.errors import CheckpointError
+from fxstar.passes.tensor_parallel import GROUP_KEY
+from fxstar.runtime import dist as tp
 
 if TYPE_CHECKING:
     from fxstar.engine import Engine
@@ -232,7 +234,8 @@ def save(engine: Engine, path: str | os.PathLike) -> Path:
     ranks = _ranks(engine)
     if ranks == 1:
         return _save(engine, path, params, aliases, ranks)
-    return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks))
+    group = engine.shared.get(GROUP_KEY)
+    return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks), group)
 
 
 def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tensor],
@@ -276,7 +279,7 @@ def _ranks(engine: Engine) -> int:
     return dist.get_world_size()
 
 
-def _on_rank_zero(save: Callable[[], Path]) -> Path:
+def _on_rank_zero(save: Callable[[], Path], group: str | None = None) -> Path:
     """Run `save` on rank 0 alone; every rank returns its path, or raises if it failed, so none
     goes on before the checkpoint is whole (a barrier that carries the outcome)."""
     outcome: list[Any] = [None]
@@ -287,7 +290,9 @@ def _on_rank_zero(save: Callable[[], Path]) -> Path:
         except Exception as caught:  # told to the other ranks first, then raised here
             error = caught
             outcome[0] = CheckpointError(f"rank 0 failed to save the checkpoint: {caught}")
-    dist.broadcast_object_list(outcome, src=0)
+    # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
+    with tp.guard("broadcast_object_list (checkpoint save)", group):
+        dist.broadcast_object_list(outcome, src=0, group=tp.process_group(group))
     if error is not None:
         raise error
     if isinstance(outcome[0], Exception):

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 
+from fxstar.errors import FxstarError, UsageError
 from fxstar.plan import Plan
 from fxstar.sizes import Share
 
@@ -34,6 +36,14 @@ SIZES = {
     "batch_size": ("batch_size", 8, 2),
     "seq_len": ("seq_len", 64, 32),
 }
+# What a command reports in one line (exit status 2) instead of a traceback: the errors fxstar
+# raises on purpose (a plan, target or flag it cannot use; an option not built yet), a path
+# the user gave that is missing or not readable/writable (--plan, --data, a target file, an
+# output), and a budget the machine cannot hold (the arena's MemoryError). Anything else is a
+# bug, in fxstar or in the user's model, and keeps its traceback; so does a crash inside a
+# pass (PassError), whose message says to report it.
+REPORTED = (FxstarError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+            PermissionError, MemoryError)  # fmt: skip
 
 
 def _plan(args: argparse.Namespace, base: Plan | None = None) -> Plan:
@@ -64,17 +74,30 @@ def _engine(args: argparse.Namespace, extra_passes: tuple[str, ...] = ()):
     return engine, plan, added
 
 
+def _check_stages(engine, *keys: int | str | None) -> None:
+    """Each stage named on the command line exists (else a UsageError listing them)."""
+    for key in keys:
+        try:
+            engine.program.stage(key)
+        except LookupError as error:
+            raise UsageError(str(error)) from None
+
+
 def cmd_dump(args: argparse.Namespace) -> None:
     from fxstar.dump import dump
 
-    print(dump(_engine(args)[0], args.stage, show_noise=args.show_noise), end="")
+    engine = _engine(args)[0]
+    _check_stages(engine, args.stage)
+    print(dump(engine, args.stage, show_noise=args.show_noise), end="")
 
 
 def cmd_diff(args: argparse.Namespace) -> None:
     from fxstar.dump import diff
 
     color = {"auto": None, "always": True, "never": False}[args.color]
-    text = diff(_engine(args)[0], args.a, args.b, color=color)
+    engine = _engine(args)[0]
+    _check_stages(engine, args.a, args.b)
+    text = diff(engine, args.a, args.b, color=color)
     print(text or f"stages {args.a} and {args.b} are identical", end="" if text else "\n")
 
 
@@ -100,6 +123,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     for flag, path in (("--timeline", args.timeline), ("--json", args.json)):
         if path is not None:
             _check_output(flag, path)
+    if args.timeline is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--timeline: needs matplotlib (pip install fxstar[viz])")
     target = None
     if args.target is not None:
         from fxstar.targets import load_target
@@ -107,12 +132,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         ignored = [f"--{f.replace('_', '-')}" for f in SIZES if getattr(args, f) is not None]
         ignored += ["--data"] if args.data is not None else []
         if ignored:
-            raise ValueError(f"{', '.join(ignored)}: the reference GPT's options; TARGET's "
+            raise UsageError(f"{', '.join(ignored)}: the reference GPT's options; TARGET's "
                              "factory makes its own model and inputs")  # fmt: skip
         target = load_target(args.target)
     plan = _plan(args, target.plan if target is not None else None)
     if args.timeline is not None and not uses_chunks(plan):
-        raise ValueError("--timeline: draws the chunk engine's memory; give --device-memory")
+        raise UsageError("--timeline: draws the chunk engine's memory; give --device-memory")
     if target is not None:
         result = train_target(target, plan, steps=args.steps, log_every=args.log_every,
                               timeline=args.timeline, progress=not args.no_progress)  # fmt: skip
@@ -125,6 +150,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     for flag, (field, default, paged_default) in SIZES.items():
         given = getattr(args, flag)
         sizes[field] = given if given is not None else paged_default if paged else default
+    _check_gpt_sizes(sizes)
     if paged and any(getattr(args, flag) is None for flag in SIZES):
         print(f"device_memory {plan.device_memory} of the parameters: sizes not given are "
               "the larger demo GPT's, whose parameters outweigh its activations")  # fmt: skip
@@ -142,15 +168,27 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
 
 
+def _check_gpt_sizes(sizes: dict[str, int]) -> None:
+    """The reference GPT accepts these sizes (heads dividing the width), before its text is
+    read and anything is built."""
+    from fxstar.models.gpt import GPTConfig
+
+    shape = {k: sizes[k] for k in ("n_layer", "n_head", "n_embd")}
+    try:
+        GPTConfig(block_size=sizes["seq_len"], **shape)
+    except ValueError as error:  # GPTConfig's own checks; nothing else runs in there
+        raise UsageError(str(error)) from None
+
+
 def _check_output(flag: str, path: str) -> None:
     """`path` can be written: its directory exists and is writable, and it is not a folder."""
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a directory; give a file name")
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
     if not os.path.isdir(directory):
-        raise ValueError(f"{flag} {path}: the directory {directory} does not exist")
+        raise UsageError(f"{flag} {path}: the directory {directory} does not exist")
     if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not writable")
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 def _count(minimum: int):
@@ -235,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stage", "a", "b"):
         if hasattr(args, name):
             setattr(args, name, _stage(getattr(args, name)))
-    from fxstar.errors import FxstarError
-    from fxstar.plan import PlanError
+    from fxstar.passes import PassError
 
     try:
         args.func(args)
-    except (FxstarError, PlanError, NotImplementedError, ValueError, LookupError, ImportError,
-            OSError, MemoryError) as error:  # fmt: skip
+    except PassError:
+        raise
+    except REPORTED as error:
         print(f"fxstar {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     return 0

@@ -15,6 +15,7 @@ eval mode (dropout off) is a separate capture.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import threading
 import weakref
@@ -27,14 +28,17 @@ from torch import nn
 
 from fxstar.capture import capture
 from fxstar.errors import EngineStateError
+from fxstar.estimate import Estimate, estimate
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, load_builtins, passes_for
-from fxstar.passes.chunk_layout import LAYOUT_KEY, check_chunk_options
+from fxstar.passes.chunk_layout import LAYOUT_KEY, budget_bytes, check_chunk_options, static_share
 from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.passes.shape_memory import META_KEY
+from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
 from fxstar.plan import PlanError, mark_implemented
 from fxstar.program import EXPORT, Program
-from fxstar.runtime import ops
+from fxstar.runtime import agreement, ops
+from fxstar.runtime import dist as tp
 from fxstar.runtime.arena import ALIGNMENT
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
@@ -93,6 +97,7 @@ class Engine(nn.Module):
             raise ValueError("plan.verify needs method='export' (it feeds cloned parameters)")
         _claim(model, self)
         self._closed = False
+        self._builds_cache = _builds_cache(model)
         # forward and step change the chunks' state: one thread at a time (a second waits)
         self._lock = threading.RLock()
         self._fed: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # see _check_model
@@ -136,10 +141,16 @@ class Engine(nn.Module):
                     self._buffer_values[name] = buffer.clone()
 
     def _compute_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
-        """bf16/fp16: floating-point inputs in the compute dtype, as the model traced in it
-        expects (integer inputs, token ids, untouched)."""
+        """What the graph is called with. A transformers model whose config builds a KV cache
+        (`use_cache=True`, the default) is asked not to: training never reads it, and a cache
+        object is no tensor a graph can return. bf16/fp16: floating-point inputs in the
+        compute dtype, as the model traced in it expects (integer inputs, token ids, as they
+        are)."""
+        kwargs = dict(kwargs)
+        if self._builds_cache and "use_cache" not in kwargs:
+            kwargs["use_cache"] = False
         if self.traced is self.model:
-            return args, dict(kwargs)
+            return args, kwargs
         dtype = self.compute_dtype
 
         def cast(x: Any) -> Any:
@@ -186,6 +197,7 @@ class Engine(nn.Module):
             )
         program.store = self.store
         program.shared = self.shared
+        self._agree_ranks(program)
         check = None
         if self.plan.verify:
             check = Verifier(
@@ -223,6 +235,21 @@ class Engine(nn.Module):
             except RuntimeError as error:
                 raise EngineStateError(str(error)) from None
 
+    def _agree_ranks(self, program: Program) -> None:
+        """Tensor parallel: before any pass, while nothing can have failed on one rank only,
+        the ranks agree on the plan, the graph and (first capture) the full parameters; every
+        rank raises the same error otherwise (runtime/agreement.py)."""
+        config = self.plan.tensor_parallel
+        if config is None or config.size < 2:
+            return
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return  # the tensor_parallel pass says what is missing
+        first = TP_GROUP not in self.shared
+        if first:  # one process group per engine, with plan.dist_timeout, gone with it
+            group = self.shared[TP_GROUP] = tp.new_group(self.plan.dist_timeout)
+            weakref.finalize(self, tp.release_group, group).atexit = False
+        agreement.agree(program, self.shared[TP_GROUP], tensors=first)
+
     def _setup_chunks(self, program: Program) -> None:
         """Once per engine, after the chunk passes: the ChunkManager takes the parameters over.
         The model's parameters become the stable views of the chunks' host homes, so the model,
@@ -258,7 +285,7 @@ class Engine(nn.Module):
         plan = self.plan
         layout = program.meta[LAYOUT_KEY]
         nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
-        budget = plan.resolve_size("device_memory", program.param_bytes)
+        budget = budget_bytes(program)  # the budget the layout settled on ('auto' resolved)
         device = next(iter(tensors.values())).device
         static = None
         if budget is None:
@@ -267,8 +294,7 @@ class Engine(nn.Module):
             block = -(-layout.chunk_bytes // ALIGNMENT) * ALIGNMENT  # the arena rounds blocks up
             capacity = (len(layout.chunks) + 1) * block
         else:
-            if plan.static_partition:
-                static = int(plan.warmup_gpu_chunk_mem_ratio * budget)
+            static = static_share(plan, budget)
             # On a GPU the arena shares the card with activations, so it leaves them their
             # peak; on CPU-only machines activations live elsewhere and the share is enforced
             # per moment.
@@ -456,6 +482,11 @@ class Engine(nn.Module):
         self._fed = []  # recaptured with what the model holds now
         return self
 
+    def estimate(self) -> Estimate:
+        """What the plan needs of the compute tier: activation peak, parameter bytes, the
+        smallest device_memory that works and the moment that sets it."""
+        return estimate(self.program)
+
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -467,6 +498,9 @@ class Engine(nn.Module):
             return
         if self.chunks is not None:
             self.chunks.close()
+        group = self.shared.pop(TP_GROUP, None)
+        if group is not None:
+            tp.release_group(group)
         self._closed = True
         self.programs.clear()
         self._optimizer = None
@@ -558,6 +592,16 @@ class Engine(nn.Module):
 
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _builds_cache(model: nn.Module) -> bool:
+    """A transformers model that returns a KV cache unless told `use_cache=False`."""
+    config = getattr(model, "config", None)
+    try:
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return takes and bool(getattr(config, "use_cache", False))
 
 
 def _parameter_slots(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:

@@ -8,13 +8,38 @@ __all__ = [
     "EngineStateError",
     "FxstarError",
     "IRError",
+    "OptionNotImplementedError",
     "PassOrderError",
+    "PlanError",
+    "TargetError",
+    "UsageError",
     "VerifyError",
 ]
 
 
 class FxstarError(Exception):
     """Base of every error fxstar raises deliberately."""
+
+
+class PlanError(FxstarError, ValueError):
+    """A plan option is unknown, of the wrong type, or out of range; the message names it.
+    (A ValueError too, as it was before FxstarError existed.)"""
+
+
+class OptionNotImplementedError(FxstarError, NotImplementedError):
+    """A plan sets options whose feature is not built yet (Plan.check_implemented); the
+    message names each option and its feature."""
+
+
+class TargetError(FxstarError, ValueError):
+    """A MODULE:FACTORY target cannot be used: no such module, file or callable, a factory
+    that returns something other than (model, example_inputs[, plan]), or a model that does
+    not return its loss where training needs one."""
+
+
+class UsageError(FxstarError, ValueError):
+    """Arguments of a command or job that cannot work together, found before any work is
+    done: an option given where it is ignored, an output path that cannot be written."""
 
 
 class CaptureError(FxstarError):

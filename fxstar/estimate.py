@@ -3,12 +3,24 @@
 Parameters, gradients and optimizer state come from the parameter table and the plan;
 activations from the `shape_memory` analysis. Later passes (chunks, checkpointing, offload)
 change where these bytes live; this table is the baseline they are judged against.
+`estimate` is the figure a budget is chosen by: the smallest device_memory the plan works with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxstar.passes.chunk_layout import (
+    LAYOUT_KEY,
+    NEED_KEY,
+    BudgetNeed,
+    budget_need,
+    layout_needs,
+    measure,
+    nonmodel_peak,
+    smallest_need,
+)
+from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.sizes import format_size
@@ -52,4 +64,40 @@ def format_estimate(program: Program) -> str:
         lines.append(f"  {r.kind:<{width}}  {format_size(r.nbytes):>12}  {r.note}")
     if program.meta.get(META_KEY) is None:
         lines.append("  (activations not measured: the shape_memory pass did not run)")
+    else:
+        lines.append(estimate(program).format())
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a compiled plan needs of the compute tier (`engine.estimate()`)."""
+
+    activation_peak: int  # bytes of activations and temporaries at backward's fullest moment
+    param_bytes: int
+    device_memory: int  # the smallest budget this plan compiles and runs with (CPU-only)
+    chunk_size: int  # elements per chunk at that budget
+    need: BudgetNeed  # the moment that sets device_memory
+
+    def format(self) -> str:
+        return (
+            f"smallest device_memory for this plan: {format_size(self.device_memory)} "
+            f"({self.device_memory:,} bytes), chunk_size {self.chunk_size:,}\n"
+            f"  set where {self.need.moment()}\n"
+            f"  activations peak at {format_size(self.activation_peak)} (backward); "
+            f"parameters {format_size(self.param_bytes)}"
+        )
+
+
+def estimate(program: Program) -> Estimate:
+    """From what chunk_layout found (the first capture), from the access plan of a layout
+    already fixed (later captures), or, for a plan without chunks, by asking the same search
+    (activations measured first if no shape_memory ran on the graph as it is)."""
+    need = program.meta.get(NEED_KEY)
+    if need is None and PLAN_KEY in program.meta:
+        need = budget_need(program.plan, program.meta[PLAN_KEY], program.meta[LAYOUT_KEY])
+    if need is None:
+        measure(program)
+        need = smallest_need(layout_needs(program))
+    return Estimate(nonmodel_peak(program), program.param_bytes, need.device_memory,
+                    need.chunk_size, need)  # fmt: skip

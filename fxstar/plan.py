@@ -1,8 +1,9 @@
 """Plan: every option fxstar has, with its default, its doc, and its validation in one place.
 
 A Plan is data. It is checked when built (ranges, types, unknown keys with a suggestion), it
-round-trips through dicts and JSON, it reads PatrickStar-style configs, and it refuses, through
-`check_implemented`, to let an option whose feature does not exist yet pass silently.
+round-trips through dicts and JSON, it reads PatrickStar-style configs (fxstar.patrickstar
+translates them), and it refuses, through `check_implemented`, to let an option whose feature
+does not exist yet pass silently.
 Options that only make sense as a group (optimizer, loss scaling, tiling, tensor parallel) are
 small dataclasses; wherever a group is expected a dict of its options works too.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
+from fxstar.errors import OptionNotImplementedError, PlanError
 from fxstar.sizes import Share, Size, format_size, parse_size
 
 __all__ = [
@@ -34,10 +36,6 @@ __all__ = [
     "mark_implemented",
     "option_names",
 ]
-
-
-class PlanError(ValueError):
-    """A plan option is unknown, of the wrong type, or out of range; the message names it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +138,17 @@ def _size(v, name) -> Size | None:
             "the machine can hold, like '4GiB' or '30%'"
         )
     return size
+
+
+def _device_memory(v, name) -> Size | str | None:
+    """A size, or 'auto': what the compiled plan needs at the least (a CUDA device's capacity
+    times overall_gpu_mem_ratio), known only once the graph is (chunk_layout resolves it)."""
+    if v == "auto":
+        return v
+    try:
+        return _size(v, name)
+    except PlanError as error:
+        raise PlanError(f"{error}; or 'auto'") from None
 
 
 def _chunk_size(v, name):
@@ -297,6 +306,7 @@ MIN_EPS = 2.0**-126  # float32's smallest normal: the kernels add eps in float32
 MAX_EPS = 1.0
 MAX_WEIGHT_DECAY = 10.0
 MAX_LOSS_SCALE = 2.0**64  # as 2**initial_scale_power at its largest
+MAX_DIST_TIMEOUT = 86400.0  # a day: a collective waiting longer has hung
 
 
 @_named_options
@@ -464,10 +474,12 @@ class Plan:
     `Share` until `resolve_size`). `notes` lists what from_patrickstar read but ignored.
     """
 
-    device_memory: Size | None = _option(
-        None, check=_size, feature=_CHUNKS,
+    device_memory: Size | str | None = _option(
+        None, check=_device_memory, feature=_CHUNKS,
         doc="Budget of the compute tier, like a GPU's capacity: parameter chunks plus "
-        "activations and temporaries. None = no budget (everything fits).",
+        "activations and temporaries. None = no budget (everything fits); 'auto' = the "
+        "smallest that works for this plan (on CUDA: the device's capacity times "
+        "overall_gpu_mem_ratio).",
     )  # fmt: skip
     host_memory: Size | None = _option(
         None, check=_size, feature=_CHUNKS,
@@ -572,6 +584,12 @@ class Plan:
         feature="the tensor-parallel pass",
         doc="Tensor parallelism (a TensorParallelConfig or a dict); None = off.",
     )  # fmt: skip
+    dist_timeout: float = _option(
+        300.0, check=_real(0, MAX_DIST_TIMEOUT, lo_open=True), feature="the distributed runtime",
+        doc="Seconds a rank waits in one of the engine's collectives before it raises an error "
+        "naming the collective: a rank that failed, stopped or diverged ends the run instead of "
+        "hanging it.",
+    )  # fmt: skip
     passes: tuple[str, ...] = _option(
         (), check=_names, feature="the pass manager",
         doc="Pass names to run, in order; empty = the built-ins the other options ask for.",
@@ -608,23 +626,34 @@ class Plan:
         """Build from a dict of options (or a PatrickStar config, detected by its keys)."""
         if not isinstance(data, Mapping):
             raise _type_error("plan", "a dict of options", data)
-        if _is_patrickstar(data):
+        from fxstar import patrickstar
+
+        if patrickstar.is_patrickstar(data):
             return cls.from_patrickstar(data)
         return cls(**data)
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike) -> Plan:
-        """Build from JSON text, or from the JSON file at a path."""
+        """Build from JSON text, or from the JSON file at a path (a missing file is the
+        FileNotFoundError that open raises; text that is not JSON is a PlanError)."""
         text = str(text_or_path) if not isinstance(text_or_path, os.PathLike) else None
+        source = "plan JSON"
         if text is None or not text.lstrip().startswith("{"):
+            source = os.fspath(text_or_path)
             with open(text_or_path, encoding="utf-8") as file:
                 text = file.read()
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanError(f"{source}: not valid JSON ({error})") from None
+        return cls.from_dict(data)
 
     @classmethod
     def from_patrickstar(cls, config: Mapping[str, Any]) -> Plan:
-        """Build from a PatrickStar config dict; see `_patrickstar_options` for the mapping."""
-        options, notes = _patrickstar_options(config)
+        """Build from a PatrickStar config dict; fxstar.patrickstar documents the mapping."""
+        from fxstar import patrickstar
+
+        options, notes = patrickstar.plan_options(config)
         plan = cls.from_dict(options)
         plan.notes.extend(notes)
         return plan
@@ -662,6 +691,11 @@ class Plan:
             sizes = ", ".join(_SIZE_OPTIONS)
             raise PlanError(f"{name}: not a size option; size options are {sizes}")
         value = getattr(self, name)
+        if value == "auto":
+            raise PlanError(
+                f"{name}: 'auto' depends on the compiled graph; chunk_layout resolves it "
+                "(fxstar.passes.chunk_layout.budget_bytes(program))"
+            )
         return value.resolve(param_bytes) if isinstance(value, Share) else value
 
     def used_options(self) -> list[str]:
@@ -690,7 +724,7 @@ class Plan:
         ]  # fmt: skip
         if missing:
             features = {f.name: f.metadata["feature"] for f in _options(self)}
-            raise NotImplementedError("\n".join(
+            raise OptionNotImplementedError("\n".join(
                 f"Plan option {name!r} is not implemented yet (it is part of "
                 f"{features[name.split('.')[0]]}); remove it or set it to its default"
                 for name in missing
@@ -775,106 +809,3 @@ def mark_implemented(*names: str) -> None:
         if name not in known:
             raise _unknown(name, known)
     IMPLEMENTED.update(names)
-
-
-# ---------------------------------------------------------------------------------------------
-# PatrickStar configs. Only what the config states is mapped; missing keys take fxstar's
-# defaults (which differ from PatrickStar's in places, e.g. lr and with_mem_cache).
-
-_PS_MARKERS = ("client", "fp16", "default_chunk_size", "use_cpu_embedding", "gradient_clipping")
-_PS_TOP = ("optimizer", "release_after_init", *_PS_MARKERS)
-_PS_PARAMS = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
-_PS_FP16 = ("enabled", *(f.name for f in fields(LossScaleConfig)))
-_PS_TRACER = {
-    "use_async_mem_monitor": "async_mem_monitor",
-    "warmup_gpu_chunk_mem_ratio": "warmup_gpu_chunk_mem_ratio",
-    "overall_gpu_mem_ratio": "overall_gpu_mem_ratio",
-    "overall_cpu_mem_ratio": "overall_cpu_mem_ratio",
-    "margin_use_ratio": "margin_use_ratio",
-    "use_fake_dist": "fake_dist",
-    "with_static_partition": "static_partition",
-}
-_PS_OPTS = ("with_mem_saving_comm", "with_mem_cache", "with_async_move")
-
-
-def _is_patrickstar(data: Mapping[str, Any]) -> bool:
-    optimizer = data.get("optimizer")
-    return any(k in data for k in _PS_MARKERS) or (
-        isinstance(optimizer, Mapping) and "params" in optimizer
-    )
-
-
-def _section(data: Mapping, key: str, known: Sequence[str], prefix: str) -> Mapping:
-    section = data.get(key, {})
-    if not isinstance(section, Mapping):
-        raise _type_error(prefix + key, "a dict", section)
-    _check_keys(section, known, f"{prefix}{key}.")
-    return section
-
-
-def _patrickstar_options(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Native options and notes for a PatrickStar config.
-
-    optimizer.type/params -> optimizer (params.use_hybrid_adam -> hybrid_adam);
-    fp16.enabled -> precision 'fp16'; the other fp16 keys -> loss_scale;
-    default_chunk_size -> chunk_size; use_cpu_embedding -> cpu_embedding;
-    gradient_clipping (<= 0 means off) -> optimizer.clip_grad_norm;
-    client.mem_tracer.* -> the tracer options (use_/with_ prefixes dropped);
-    client.opts.with_mem_saving_comm -> mem_saving_comm; with_mem_cache -> mem_cache 2 or 0;
-    with_async_move is read and ignored (a note says so). Native option names may be mixed in.
-    """
-    native = option_names()
-    for key in config:
-        if key not in _PS_TOP and key not in native:
-            raise _unknown(key, list(_PS_TOP) + [n for n in native if n not in _PS_TOP])
-    options = {k: v for k, v in config.items() if k not in _PS_TOP}
-    notes: list[str] = []
-
-    optimizer = config.get("optimizer", {})
-    if isinstance(optimizer, Mapping) and "params" in optimizer:
-        _check_keys(optimizer, ("type", "params"), "optimizer.")
-        params = _section(optimizer, "params", [*_PS_PARAMS, "use_hybrid_adam"], "optimizer.")
-        optimizer = {_PS_PARAMS[k]: v for k, v in params.items() if k in _PS_PARAMS}
-        if "type" in config["optimizer"]:
-            optimizer["type"] = config["optimizer"]["type"]
-        if "use_hybrid_adam" in params:
-            options["hybrid_adam"] = params["use_hybrid_adam"]
-    if "optimizer" in config:
-        options["optimizer"] = dict(optimizer) if isinstance(optimizer, Mapping) else optimizer
-
-    fp16 = _section(config, "fp16", _PS_FP16, "")
-    if "enabled" in fp16:
-        enabled = _boolean(fp16["enabled"], "fp16.enabled")
-        options["precision"] = "fp16" if enabled else "fp32"
-    scaling = {k: v for k, v in fp16.items() if k != "enabled"}
-    if scaling:
-        options["loss_scale"] = scaling
-
-    renames = {"default_chunk_size": "chunk_size", "use_cpu_embedding": "cpu_embedding",
-               "release_after_init": "release_after_init"}  # fmt: skip
-    options.update({new: config[old] for old, new in renames.items() if old in config})
-    if "gradient_clipping" in config:
-        clip = _real(optional=True)(config["gradient_clipping"], "gradient_clipping")
-        if clip is not None and clip > 0:
-            optimizer = options.get("optimizer", {})
-            if isinstance(optimizer, OptimizerConfig):
-                optimizer = optimizer.to_dict()
-            if isinstance(optimizer, Mapping):  # anything else fails validation later
-                options["optimizer"] = {**optimizer, "clip_grad_norm": clip}
-
-    client = _section(config, "client", ("mem_tracer", "opts"), "")
-    tracer = _section(client, "mem_tracer", list(_PS_TRACER), "client.")
-    options.update({_PS_TRACER[k]: v for k, v in tracer.items()})
-    opts = _section(client, "opts", _PS_OPTS, "client.")
-    if "with_mem_saving_comm" in opts:
-        options["mem_saving_comm"] = opts["with_mem_saving_comm"]
-    if "with_mem_cache" in opts:
-        cache = _boolean(opts["with_mem_cache"], "client.opts.with_mem_cache")
-        options["mem_cache"] = 2 if cache else 0
-    if "with_async_move" in opts:
-        _boolean(opts["with_async_move"], "client.opts.with_async_move")
-        notes.append(
-            f"client.opts.with_async_move={opts['with_async_move']} ignored: fxstar schedules "
-            "chunk moves at compile time (prefetch is the runtime's choice, not an option)"
-        )
-    return options, notes

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from fxstar.engine import compile
+from fxstar.errors import TargetError, UsageError
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.plan import Plan
 from fxstar.targets import Target
@@ -55,7 +56,7 @@ class CharData:
 
     def __init__(self, text: str, seq_len: int, seed: int):
         if len(text) < 4 * (seq_len + 1):
-            raise ValueError(
+            raise UsageError(
                 f"data: the text has {len(text)} characters, too few for --seq-len {seq_len} "
                 f"(needs at least {4 * (seq_len + 1)})"
             )
@@ -167,7 +168,7 @@ def loss_of(output: Any) -> torch.Tensor:
         loss = output[0]
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
+        raise TargetError(
             f"the model must return its loss (a scalar tensor, a 'loss' entry or first in a "
             f"tuple) to be trained; got {got}. Pass the labels in the example inputs, or set "
             "plan.loss_fn"

@@ -188,3 +188,75 @@ def test_readme_share_of_the_parameters_works_at_the_default_sizes(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "sizes not given are the larger demo GPT's" in out and "moved host->compute" in out
+
+
+BROKEN = """
+import torch
+
+
+def bug():
+    raise KeyError("a bug in the factory")
+
+
+def missing_dependency():
+    import fxstar_no_such_dependency  # noqa: F401
+
+
+def make():
+    return torch.nn.Linear(4, 3), torch.randn(2, 4)
+"""
+
+
+def test_bugs_keep_their_traceback(tmp_path, capsys):
+    # only errors that explain themselves are one line; a bug must show where it happened
+    path = tmp_path / "broken.py"
+    path.write_text(BROKEN)
+    with pytest.raises(KeyError, match="a bug in the factory"):
+        main(["dump", f"{path}:bug"])
+    with pytest.raises(ModuleNotFoundError, match="fxstar_no_such_dependency"):
+        main(["dump", f"{path}:missing_dependency"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_crashing_pass_keeps_its_traceback(tmp_path):
+    from fxstar import passes
+    from fxstar.passes import PassError
+
+    def t_crash(program):
+        raise ZeroDivisionError("inside a pass")
+
+    passes.register(t_crash)
+    try:
+        with pytest.raises(PassError, match="pass 't_crash' failed: ZeroDivisionError") as info:
+            main(["dump", TINY, "--passes", "t_crash"])
+        assert isinstance(info.value.__cause__, ZeroDivisionError)
+    finally:
+        passes.unregister("t_crash")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["dump", "fxstar_no_such_module:make"],
+         "TargetError: 'fxstar_no_such_module': no module named 'fxstar_no_such_module'"),
+        (["dump", "fxstar.models.no_such_model:make"],
+         "no module named 'fxstar.models.no_such_model'"),
+        (["dump", "missing/model.py:make"], "TargetError: 'missing/model.py': no such file"),
+        (["dump", TINY, "--plan", "{missing}/plan.json"], "FileNotFoundError: .*plan.json"),
+        (["dump", TINY, "--plan", "{bad_json}"], "PlanError: .*bad.json: not valid JSON"),
+        (["plan", TINY, "--device-memory", "lots"], "PlanError: device_memory: expected"),
+        (["diff", TINY, "capture", "nope"], "UsageError: no stage named 'nope'"),
+        (["train", *SMALL, "--data", "{missing}/text.txt"], "FileNotFoundError: .*text.txt"),
+        (["train", *SMALL, "--data", "{short}"], "UsageError: data: the text has 5 characters"),
+        (["train", *SMALL, "--lr", "-1"], "PlanError: optimizer.lr: must be in"),
+    ],
+)  # fmt: skip
+def test_mistakes_are_one_line(tmp_path, capsys, args, message):
+    (tmp_path / "bad.json").write_text("{device_memory: 1}")
+    (tmp_path / "short.txt").write_text("hello")
+    paths = {"missing": tmp_path / "missing", "bad_json": tmp_path / "bad.json",
+             "short": tmp_path / "short.txt"}  # fmt: skip
+    assert main([a.format(**paths) for a in args]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(message, err) and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "GPT:" not in out  # nothing trained

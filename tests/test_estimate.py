@@ -1,10 +1,13 @@
 """The training-memory estimate behind `fxstar plan`."""
 
+import pytest
 import torch
-from conftest import BATCH, SEQ, VOCAB, tiny_gpt
+from conftest import BATCH, SEQ, VOCAB, tiny_gpt, tokens
 
 import fxstar
-from fxstar.estimate import format_estimate, training_memory
+from fxstar.estimate import estimate, format_estimate, training_memory
+from fxstar.passes.chunk_layout import LAYOUT_KEY, NEED_KEY, ChunkLayoutError, nonmodel_peak
+from fxstar.sizes import format_size
 
 
 def compiled(passes):
@@ -28,3 +31,45 @@ def test_without_shape_memory_it_says_what_is_missing():
     _, engine = compiled([])
     assert "shape_memory pass did not run" in format_estimate(engine.program)
     assert "activations saved" not in format_estimate(engine.program)
+    assert "smallest device_memory" not in format_estimate(engine.program)
+
+
+def test_estimate_is_the_smallest_device_memory_that_works():
+    """Without chunks, estimate() asks the chunk-size search what the plan would need: the
+    plan compiles under exactly that device_memory, and not under one byte less."""
+    _, engine = compiled(["shape_memory"])
+    found = estimate(engine.program)
+    assert found.activation_peak == nonmodel_peak(engine.program) > 0
+    assert found.param_bytes == engine.program.param_bytes
+    inputs = engine.program.example_args
+    chunked = fxstar.compile(tiny_gpt(), fxstar.Plan(device_memory=found.device_memory), inputs)
+    assert estimate(chunked.program) == found
+    with pytest.raises(ChunkLayoutError, match=f"\\({found.device_memory:,} bytes\\)"):
+        fxstar.compile(tiny_gpt(), fxstar.Plan(device_memory=found.device_memory - 1), inputs)
+    text = format_estimate(engine.program)
+    assert f"smallest device_memory for this plan: {format_size(found.device_memory)}" in text
+
+
+def test_a_later_capture_is_estimated_on_the_layout_already_chosen():
+    _, engine = compiled(["shape_memory"])
+    budget = 2 * estimate(engine.program).device_memory
+    chunked = fxstar.compile(tiny_gpt(), fxstar.Plan(device_memory=budget), tokens(seq=8))
+    ids, targets = tokens()
+    chunked(ids, targets).backward()
+    later = chunked.prepare(ids, targets)
+    assert NEED_KEY not in later.meta
+    need = estimate(later).need
+    assert need.chunk_size == later.meta[LAYOUT_KEY].chunk_size
+    assert need.device_memory <= budget
+
+
+def test_engine_estimate_is_the_programs():
+    from conftest import tiny_gpt, tokens
+
+    from fxstar.engine import compile
+    from fxstar.estimate import estimate
+    from fxstar.plan import Plan
+
+    engine = compile(tiny_gpt(), Plan(device_memory="auto"), example_inputs=tokens())
+    assert engine.estimate() == estimate(engine.program)
+    assert engine.chunks.budget == engine.estimate().device_memory

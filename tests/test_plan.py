@@ -438,3 +438,60 @@ def test_no_decay_matching():
     assert not opt.decays("transformer.wpe.weight")
     assert opt.decays("wpe.weight")  # a glob matches the full name only
     assert opt.decays("h.0.mlp.c_fc.weight")
+
+
+def test_plan_errors_are_fxstar_errors_and_value_errors():
+    from fxstar.errors import FxstarError, OptionNotImplementedError
+
+    with pytest.raises(PlanError) as info:
+        Plan(device_memroy="1GiB")
+    assert isinstance(info.value, FxstarError) and isinstance(info.value, ValueError)
+    assert PlanError is plan_module.PlanError  # re-exported where it always was
+    with pytest.raises(OptionNotImplementedError) as refused:
+        Plan(fake_dist=True).check_implemented(set())
+    assert isinstance(refused.value, FxstarError)
+    assert isinstance(refused.value, NotImplementedError)
+
+
+def test_from_json_refuses_text_that_is_not_json(tmp_path):
+    with pytest.raises(PlanError, match=r"plan JSON: not valid JSON \(Expecting"):
+        Plan.from_json('{"device_memory": }')
+    path = tmp_path / "plan.json"
+    path.write_text("{'precision': 'bf16'}")
+    with pytest.raises(PlanError, match=r"plan\.json: not valid JSON"):
+        Plan.from_json(path)
+    with pytest.raises(FileNotFoundError):
+        Plan.from_json(tmp_path / "missing.json")
+
+
+def test_patrickstar_module():
+    from fxstar import patrickstar
+
+    assert patrickstar.is_patrickstar(PATRICKSTAR)
+    assert patrickstar.is_patrickstar({"optimizer": {"type": "Adam", "params": {}}})
+    assert not patrickstar.is_patrickstar({"optimizer": {"type": "adam"}, "chunk_size": 4})
+    options, notes = patrickstar.plan_options(PATRICKSTAR)
+    assert options["precision"] == "fp16" and options["chunk_size"] == 67108864
+    assert options["optimizer"] == {"type": "Adam", "lr": 0.001, "betas": [0.9, 0.999],
+                                    "eps": 1e-6, "weight_decay": 0}  # fmt: skip
+    assert len(notes) == 1 and Plan.from_dict(options) == Plan.from_patrickstar(PATRICKSTAR)
+    # a native plan is not taken for a PatrickStar one
+    assert Plan.from_dict({"optimizer": {"lr": 0.5}}).optimizer.lr == 0.5
+
+
+def test_readme_lists_exactly_the_refused_options():
+    import pathlib
+    import re
+
+    import fxstar.engine  # noqa: F401 - marks the options the engine implements
+    from fxstar.passes import load_builtins
+
+    load_builtins()  # each pass marks its options when imported
+    refused = [
+        name for name in plan_module._all_option_names()
+        if name not in IMPLEMENTED and name.split(".")[0] not in IMPLEMENTED
+    ]  # fmt: skip
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    listed = re.search(r"`NotImplementedError` when used\s+\(today: ([^)]*)\)", readme)
+    assert listed is not None, "README: the sentence listing the refused options moved"
+    assert re.findall(r"`([\w.]+)`", listed[1]) == refused

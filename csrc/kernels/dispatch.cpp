@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdlib>
+#include <string>
 
 namespace fxstar {
 namespace {
@@ -20,14 +21,44 @@ bool has_avx2() {
 }
 #endif
 
+// Every variant this build contains, best first, whether or not this CPU can run it.
+std::vector<const KernelTable*> built_variants() {
+#if FXSTAR_X86
+  return {&avx512::table, &avx2::table, &portable::table};
+#else
+  return {&portable::table};
+#endif
+}
+
+std::string joined(const std::vector<const KernelTable*>& variants) {
+  std::string out;
+  for (auto* v : variants) out += std::string(out.empty() ? "" : ", ") + v->name;
+  return out;
+}
+
+// The variant called `name`; otherwise a ValueError that names `source` (the argument or the
+// environment variable), says why, and lists the variants to choose from.
+const KernelTable& find_variant(const std::string& name, const std::string& source,
+                                const std::string& hint) {
+  auto available = available_variants();
+  for (auto* v : available)
+    if (name == v->name) return *v;
+  bool built = false;
+  for (auto* v : built_variants()) built = built || name == v->name;
+  std::string why = built ? "is not available on this CPU" : "is not a kernel variant";
+  throw pybind11::value_error(source + ": '" + name + "' " + why + "; valid on this CPU: " +
+                              joined(available) + hint);
+}
+
+// The best variant, or the one FXSTAR_CPU_VARIANT names: a name that is not a variant, or not
+// one this CPU runs, is an error at the first kernel call (and each after), not a silent
+// fallback to the best.
 const KernelTable* default_variant() {
   static const KernelTable* chosen = [] {
-    auto variants = available_variants();
-    if (const char* forced = std::getenv("FXSTAR_CPU_VARIANT"); forced && *forced) {
-      for (auto* v : variants)
-        if (std::string(v->name) == forced) return v;
-    }
-    return variants.front();
+    if (const char* forced = std::getenv("FXSTAR_CPU_VARIANT"); forced && *forced)
+      return &find_variant(forced, "FXSTAR_CPU_VARIANT",
+                           " (unset it to choose the best automatically)");
+    return available_variants().front();
   }();
   return chosen;
 }
@@ -46,13 +77,7 @@ std::vector<const KernelTable*> available_variants() {
 
 const KernelTable& select_variant(const std::string& name) {
   if (name.empty()) return *default_variant();
-  std::string known;
-  for (auto* v : available_variants()) {
-    if (name == v->name) return *v;
-    known += std::string(known.empty() ? "" : ", ") + v->name;
-  }
-  throw pybind11::value_error("variant: '" + name + "' is not available on this CPU (available: " +
-                              known + ")");
+  return find_variant(name, "variant", "");
 }
 
 std::vector<std::string> cpu_features() {

@@ -10,7 +10,8 @@ namespace fxstar {
 
 // Variants this build contains that the running CPU can execute, best first.
 std::vector<const KernelTable*> available_variants();
-// The variant named, or the best available when `name` is empty; raises ValueError otherwise.
+// The variant named, or when `name` is empty the one FXSTAR_CPU_VARIANT names, else the best
+// available; a name that is not a variant this CPU runs is a ValueError listing those it does.
 const KernelTable& select_variant(const std::string& name);
 std::vector<std::string> cpu_features();
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,6 +325,14 @@ class CheckpointRegions(Pass):
             chosen, estimate, notes = _choose_auto(program, decision.chosen, budget)
             decision.chosen, decision.estimate, decision.budget = chosen, estimate, budget
             decision.notes += notes
+            if estimate > budget:  # said in a summary only, a user would never see it
+                warnings.warn(
+                    f"checkpoint='auto': activation_memory {format_size(budget)} cannot be met; "
+                    f"with every one of the {len(chosen)} regions checkpointed the activations "
+                    f"still peak at {format_size(estimate)}. Raise activation_memory, add "
+                    "offload_activations, or checkpoint smaller regions (module patterns).",
+                    stacklevel=2,
+                )
         elif decision.saved_before is not None:
             decision.estimate = _peak(program, decision.chosen)
         if not regions:

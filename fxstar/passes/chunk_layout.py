@@ -3,37 +3,45 @@
 Parameters are packed in the order the export graph first uses them (not `named_parameters`
 order; Llama's norms differ), so a forward pass walks the chunks in order. A tied parameter is
 stored once. Frozen parameters (`requires_grad=False`) go to chunks of their own, which get no
-gradient space. `chunk_size="auto"` searches the size that wastes least while holding the
-largest parameter and letting every set of chunks one op needs at once, plus one more, fit in
-the chunk share of the budget (Colossal-AI Gemini searches chunk sizes the same way).
-The layout is decided once per engine and shared by every capture.
+gradient space. The layout is decided once per engine and shared by every capture.
+
+`chunk_size="auto"` tries every distinct packing, each at the least size that makes it, and
+asks chunk_schedule's AccessForecast what each access of the step would pin (a checkpointed
+region's recomputation pins all of its chunks at once). A size fits when at every access its
+chunks fit their share of the budget (`chunk_share`). Among those that fit: room for one more
+chunk at the busiest access first, then sizes of which HybridAdam can keep one on the compute
+tier, then the least unused space (Colossal-AI Gemini searches chunk sizes the same way). The
+least budget any size fits is the plan's smallest device_memory: errors print it, and
+`device_memory="auto"` takes it on a CPU-only machine.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from torch import fx
+import torch
 
 from fxstar.dump import NOTES_KEY
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
-from fxstar.passes.checkpoint import region_calls, region_inputs
 from fxstar.passes.checkpoint_regions import DECISION_KEY
 from fxstar.passes.shape_memory import ShapeMemory, backward_peak, node_steps
 from fxstar.plan import mark_implemented
 from fxstar.program import ParamInfo, Program
-from fxstar.runtime.layout import ChunkLayout, ChunkSpec, ParamSlot
-from fxstar.sizes import format_size
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
+from fxstar.sizes import Share, format_size
 
 mark_implemented("device_memory", "chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio",
                  "mem_cache", "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
 
 LAYOUT_KEY = "chunk_layout"  # Program.shared and Program.meta key
+BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='auto' settled on
+NEED_KEY = "chunk_layout.need"  # Program.meta key: the smallest budget (BudgetNeed)
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
                  "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
-SEARCH_STEPS = 256  # candidate chunk sizes tried by the auto search
 
 
 class ChunkLayoutError(FxstarError, ValueError):
@@ -59,14 +67,18 @@ def check_chunk_options(plan) -> None:
 
 
 def budget_bytes(program: Program) -> int | None:
-    """The compute tier's budget in bytes; None when the plan sets none (all stays resident)."""
+    """The compute tier's budget in bytes; None when the plan sets none (all stays resident).
+    device_memory='auto' is the budget chunk_layout settled on for the engine."""
+    if program.plan.device_memory == "auto":
+        return program.shared[BUDGET_KEY]
     return program.plan.resolve_size("device_memory", program.param_bytes)
 
 
 def nonmodel_peak(program: Program) -> int:
-    """The peak of activations in backward (saved ones plus what each gradient allocates):
-    what the budget must hold besides chunks at its fullest. A checkpointed region's
-    recomputation is invisible in the rewritten graph; checkpoint_regions estimated it."""
+    """The peak of activations in backward (saved ones plus what each gradient allocates), the
+    figure estimate() reports; budgets are planned per access, on chunk_schedule's estimates.
+    A checkpointed region's recomputation is invisible in the rewritten graph;
+    checkpoint_regions estimated it."""
     peak = backward_peak(list(node_steps(program.graph_module.graph.nodes).values()))
     decision = program.meta.get(DECISION_KEY)
     if decision is not None and decision.estimate is not None:
@@ -74,34 +86,103 @@ def nonmodel_peak(program: Program) -> int:
     return peak
 
 
-def params_per_node(program: Program) -> list[tuple[str, ...]]:
-    """The parameters each node reads directly, for nodes that read more than one; inside a
-    checkpointed region for its nodes (the region fetches its parameters itself)."""
-    owner = {ph: p.name for p in program.params for ph in p.placeholders if not p.host_resident}
-    regions = dict(region_calls(program.graph_module))
-    out = []
-
-    def scan(nodes, owner_of):
-        for node in nodes:
-            if node in regions:
-                region = regions[node]
-                _, inputs = region_inputs(node)
-                placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-                inner = {ph.name: owner_of[a.name] for a, ph in zip(inputs, placeholders)
-                         if isinstance(a, fx.Node) and a.name in owner_of}  # fmt: skip
-                scan(region.graph.nodes, inner)
-                continue
-            names = {owner_of[a.name] for a in node.all_input_nodes if a.name in owner_of}
-            if len(names) > 1:
-                out.append(tuple(names))
-
-    scan(program.graph_module.graph.nodes, owner)
-    return out
+def measure(program: Program) -> None:
+    """Measure activations on the graph as it is now if a rewrite ran since shape_memory did
+    (checkpointing shrinks them): budgets are planned on the graph that will run."""
+    if not program.stages or program.stages[-1].name != "shape_memory":
+        ShapeMemory()(program)
 
 
-def chunks_per_node(reads: list[tuple[str, ...]], chunk_of: dict[str, int]) -> int:
-    """The most chunks any single node reads at once (a bias and its weight may straddle)."""
-    return max((len({chunk_of[n] for n in names}) for names in reads), default=1)
+def static_share(plan, budget: int) -> int | None:
+    """PatrickStar's fixed share of the budget for chunks under static_partition, else None."""
+    return int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition else None
+
+
+def chunk_share(plan, budget: int, nonmodel: int) -> int:
+    """Bytes the chunks may hold at a moment with `nonmodel` bytes of activations besides them.
+    The one formula of the chunks' room: the schedule's check, the auto search and the
+    smallest budget all go through it."""
+    static = static_share(plan, budget)
+    return budget - nonmodel if static is None else static
+
+
+def smallest_budget(plan, chunk_bytes: int, nonmodel: int) -> int:
+    """The least device_memory whose chunk_share holds `chunk_bytes` beside `nonmodel`: the
+    inverse of chunk_share, settled on chunk_share itself (the static ratio is a float)."""
+    static = plan.warmup_gpu_chunk_mem_ratio if plan.static_partition else None
+    budget = chunk_bytes + nonmodel if static is None else math.ceil(chunk_bytes / static)
+    while budget > 0 and chunk_share(plan, budget - 1, nonmodel) >= chunk_bytes:
+        budget -= 1
+    while chunk_share(plan, budget, nonmodel) < chunk_bytes:
+        budget += 1
+    return budget
+
+
+@dataclass(frozen=True)
+class BudgetNeed:
+    """The smallest device_memory an access plan fits, and the moment that sets it."""
+
+    device_memory: int
+    chunk_size: int  # elements
+    chunk_bytes: int
+    access: int  # index into the access plan
+    phase: str
+    chunk: int
+    chunks_at_once: int
+    activations: int  # bytes besides chunks expected at that access
+    static_ratio: float | None  # warmup_gpu_chunk_mem_ratio under static_partition
+
+    def moment(self) -> str:
+        """Which access sets the need, and what it holds there."""
+        count = self.chunks_at_once
+        where = (
+            f"beside about {format_size(self.activations)} of activations and temporaries"
+            if self.static_ratio is None
+            else f"in the static partition (warmup_gpu_chunk_mem_ratio {self.static_ratio:g})"
+        )
+        return (
+            f"access {self.access} ({self.phase}, chunk {self.chunk}) needs {count} "
+            f"chunk{'s' if count != 1 else ''} of {format_size(self.chunk_bytes)} at once "
+            f"({format_size(count * self.chunk_bytes)}) {where}"
+        )
+
+    def describe(self) -> str:
+        return (
+            f"with chunk_size {self.chunk_size:,}, {self.moment()}; the smallest device_memory "
+            f"for this plan is {format_size(self.device_memory)} ({self.device_memory:,} bytes)"
+        )
+
+    def remedy(self) -> str:
+        other = ("raise warmup_gpu_chunk_mem_ratio" if self.static_ratio is not None
+                 else "checkpoint activations")  # fmt: skip
+        return f"Raise device_memory to at least that (device_memory='auto' does), {other}"
+
+
+def shown_budget(plan, budget: int) -> str:
+    """device_memory as given and in bytes: a share is of the parameter bytes alone, while the
+    budget must hold the activations too."""
+    text = f"{format_size(budget)} ({budget:,} bytes)"
+    given = plan.device_memory
+    return f"{given} of the parameter bytes = {text}" if isinstance(given, Share) else text
+
+
+def budget_need(plan, access: AccessPlan, layout: ChunkLayout) -> BudgetNeed:
+    """The least budget under which every access of `access` fits its chunk_share."""
+    size = layout.chunk_bytes
+    # moments with the same chunks and activations need the same: each pair once
+    first = {}
+    for t, pair in enumerate(zip(access.pinned_at_once, access.nonmodel_bytes, strict=True)):
+        first.setdefault(pair, t)
+    budgets = {t: smallest_budget(plan, pinned * size, nonmodel)
+               for (pinned, nonmodel), t in first.items()}  # fmt: skip
+    t = max(budgets, key=lambda t: (budgets[t], -t), default=None)
+    if t is None:  # nothing is ever fetched
+        return BudgetNeed(0, layout.chunk_size, size, 0, "forward", 0, 0, 0, None)
+    return BudgetNeed(
+        budgets[t], layout.chunk_size, size, t, access.phases[t], access.chunks[t],
+        access.pinned_at_once[t], access.nonmodel_bytes[t],
+        plan.warmup_gpu_chunk_mem_ratio if plan.static_partition else None,
+    )  # fmt: skip
 
 
 def pack(params: Sequence[ParamInfo], chunk_size: int) -> list[list[tuple[ParamInfo, int]]]:
@@ -121,6 +202,38 @@ def pack(params: Sequence[ParamInfo], chunk_size: int) -> list[list[tuple[ParamI
     return chunks
 
 
+def make_layout(params: Sequence[ParamInfo], chunk_size: int) -> ChunkLayout:
+    specs = []
+    for i, members in enumerate(pack(params, chunk_size)):
+        spec = ChunkSpec(i)
+        for p, offset in members:
+            spec.params.append(ParamSlot(p.name, p.aliases, i, offset, p.shape, p.requires_grad))
+            spec.used += p.numel
+        specs.append(spec)
+    return ChunkLayout(chunk_size, params[0].dtype, specs)
+
+
+def candidate_layouts(params: Sequence[ParamInfo]) -> list[ChunkLayout]:
+    """Every distinct first-fit packing, each at the least chunk size that makes it: any size
+    in between packs the same way with more room unused, so no other size can do better. A
+    packing changes only where a parameter that started a chunk would fit the one before."""
+    layouts = []
+    size: int | None = max(p.numel for p in params)
+    while size is not None:
+        tight = max(sum(p.numel for p, _ in chunk) for chunk in pack(params, size))
+        layout = make_layout(params, tight)
+        layouts.append(layout)
+        last: dict[bool, ChunkSpec] = {}  # the previous chunk of each kind (trainable, frozen)
+        grows = []
+        for spec in layout.chunks:
+            before = last.get(spec.params[0].requires_grad)
+            if before is not None:
+                grows.append(before.used + spec.params[0].numel)
+            last[spec.params[0].requires_grad] = spec
+        size = min(grows, default=None)
+    return layouts
+
+
 def keep_bytes_per_element(program: Program, itemsize: int) -> int | None:
     """What HybridAdam's device half holds per element of a chunk it keeps on the compute
     tier (payload, gradient, two fp32 moments, an fp32 master under bf16/fp16), or None when
@@ -132,70 +245,90 @@ def keep_bytes_per_element(program: Program, itemsize: int) -> int | None:
     return 2 * itemsize + 8 + (4 if itemsize < 4 else 0)
 
 
-def search_chunk_size(program: Program, params: Sequence[ParamInfo], share: int) -> int:
-    """The candidate size with the least unused space among those whose busiest op's chunks,
-    plus one, fit in `share`; with HybridAdam's device half, first among those small enough
-    that the room left (times margin_use_ratio) can keep at least one chunk there."""
-    itemsize = params[0].dtype.itemsize
-    largest = max(p.numel for p in params)
-    total = sum(p.numel for p in params)
-    step = max(1, (total - largest) // SEARCH_STEPS)
-    reads = params_per_node(program)
-    keep_bytes = keep_bytes_per_element(program, itemsize)
-    best: tuple[bool, int, int, int] | None = None  # (not keepable, wasted, count, size)
-    size = largest
-    while size <= max(total, largest):
-        chunks = pack(params, size)
-        chunk_of = {p.name: i for i, c in enumerate(chunks) for p, _ in c}
-        need = (chunks_per_node(reads, chunk_of) + 1) * size * itemsize
-        if need <= share:
-            wasted = len(chunks) * size - total
-            margin = program.plan.margin_use_ratio * (share - need)
-            keepable = keep_bytes is not None and margin >= size * keep_bytes
-            key = (not keepable, wasted, len(chunks), size)
-            best = key if best is None or key < best else best
-        size += step
-    if best is None:
-        raise ChunkLayoutError(
-            f"no chunk size fits: the largest parameter has {largest:,} elements, and two "
-            f"chunks of that size need {2 * largest * itemsize:,} bytes, but the chunk share "
-            f"is {share:,} bytes (device_memory minus {format_size(nonmodel_peak(program))} "
-            "of activations and temporaries). Raise device_memory, checkpoint activations, "
-            "or tile the largest linears."
-        )
-    return best[3]
-
-
-def plan_layout(program: Program) -> ChunkLayout:
+def chunked_params(program: Program) -> list[ParamInfo]:
     params = [p for p in program.params if not p.host_resident]  # cpu_embedding keeps some out
     dtypes = sorted({str(p.dtype) for p in params})
     if len(dtypes) != 1:
         raise ChunkLayoutError(f"chunks hold one dtype; the parameters have {dtypes}")
-    dtype = params[0].dtype
-    chunk_size = program.plan.chunk_size
-    if chunk_size == "auto":
-        budget, plan = budget_bytes(program), program.plan
-        if budget is None:
-            share = float("inf")
-        elif plan.static_partition:  # PatrickStar's fixed share of the budget
-            share = plan.warmup_gpu_chunk_mem_ratio * budget
-        else:
-            share = budget - nonmodel_peak(program)
-        chunk_size = search_chunk_size(program, params, share)
     largest = max(params, key=lambda p: p.numel)
-    if chunk_size < largest.numel:
+    chunk_size = program.plan.chunk_size
+    if chunk_size != "auto" and chunk_size < largest.numel:
         raise ChunkLayoutError(
             f"chunk_size: {chunk_size:,} elements cannot hold {largest.name} "
             f"({largest.numel:,} elements); use at least that, or 'auto'"
         )
-    specs = []
-    for i, members in enumerate(pack(params, chunk_size)):
-        spec = ChunkSpec(i)
-        for p, offset in members:
-            spec.params.append(ParamSlot(p.name, p.aliases, i, offset, p.shape, p.requires_grad))
-            spec.used += p.numel
-        specs.append(spec)
-    return ChunkLayout(chunk_size, dtype, specs)
+    return params
+
+
+def layout_needs(program: Program) -> list[tuple[ChunkLayout, BudgetNeed]]:
+    """Each layout the plan allows (the given chunk_size, or every candidate of 'auto') with
+    the least budget its access plan fits. Needs the graph before chunk_schedule rewrites it."""
+    from fxstar.passes.chunk_schedule import AccessForecast  # it imports this module
+
+    params = chunked_params(program)
+    size = program.plan.chunk_size
+    layouts = candidate_layouts(params) if size == "auto" else [make_layout(params, size)]
+    forecast = AccessForecast(program)
+    return [(lay, budget_need(program.plan, forecast.plan(lay), lay)) for lay in layouts]
+
+
+def smallest_need(needs: list[tuple[ChunkLayout, BudgetNeed]]) -> BudgetNeed:
+    return min((need for _, need in needs), key=lambda n: (n.device_memory, n.chunk_size))
+
+
+def auto_budget(program: Program, smallest: BudgetNeed) -> int:
+    """device_memory='auto': a CUDA device's capacity times overall_gpu_mem_ratio; on a
+    CPU-only machine the smallest budget the plan works with."""
+    name = chunked_params(program)[0].name
+    device = program.model_tensors()[name].device
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * program.plan.overall_gpu_mem_ratio)
+    return smallest.device_memory
+
+
+def choose(
+    program: Program, needs: list[tuple[ChunkLayout, BudgetNeed]], budget: int
+) -> ChunkLayout:
+    """Among the layouts that fit `budget`: first those with room for one more chunk at their
+    busiest moment (prefetch), then, with HybridAdam's device half, those of which the margin
+    left (times margin_use_ratio) keeps at least one chunk, then the least unused space."""
+    plan = program.plan
+    keep_bytes = keep_bytes_per_element(program, needs[0][0].dtype.itemsize)
+    best, best_key = None, None
+    for layout, need in needs:
+        if need.device_memory > budget:
+            continue
+        more = (need.chunks_at_once + 1) * layout.chunk_bytes
+        roomy = smallest_budget(plan, more, need.activations) <= budget
+        margin = plan.margin_use_ratio * (budget - need.device_memory)
+        keepable = keep_bytes is not None and margin >= layout.chunk_size * keep_bytes
+        key = (not roomy, not keepable, layout.wasted_bytes, len(layout.chunks), layout.chunk_size)
+        if best_key is None or key < best_key:
+            best, best_key = layout, key
+    if best is None:
+        smallest = smallest_need(needs)
+        raise ChunkLayoutError(
+            f"no chunk size fits device_memory {shown_budget(plan, budget)}: "
+            f"{smallest.describe()}. {smallest.remedy()}, or tile the largest linears."
+        )
+    return best
+
+
+def plan_layout(program: Program) -> ChunkLayout:
+    """The layout, and for device_memory='auto' the engine's budget (Program.shared); the
+    smallest budget this plan works with goes to Program.meta (NEED_KEY)."""
+    plan = program.plan
+    needs = layout_needs(program)
+    smallest = program.meta[NEED_KEY] = smallest_need(needs)
+    if plan.device_memory is None:  # no budget: every chunk stays resident, least waste wins
+        return min((layout for layout, _ in needs),
+                   key=lambda lay: (lay.wasted_bytes, len(lay.chunks), lay.chunk_size))  # fmt: skip
+    if plan.device_memory == "auto":
+        program.shared[BUDGET_KEY] = auto_budget(program, smallest)
+    if plan.chunk_size != "auto":
+        return needs[0][0]  # chunk_schedule checks it against the budget, with the numbers
+    return choose(program, needs, budget_bytes(program))
 
 
 @register
@@ -210,10 +343,7 @@ class ChunkLayoutPass(Pass):
         return uses_chunks(plan)
 
     def __call__(self, program: Program) -> Program:
-        if program.stages[-1].name != "shape_memory":
-            # a rewrite ran since the activations were measured (checkpointing shrinks them):
-            # the budget is planned on the graph as it is now
-            ShapeMemory()(program)
+        measure(program)
         layout = program.shared.get(LAYOUT_KEY)
         if layout is None:
             layout = program.shared[LAYOUT_KEY] = plan_layout(program)

@@ -29,12 +29,17 @@ from torch import fx
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
 from fxstar.passes.checkpoint import region_calls, region_inputs
-from fxstar.passes.chunk_layout import LAYOUT_KEY, budget_bytes, uses_chunks
+from fxstar.passes.chunk_layout import (
+    LAYOUT_KEY,
+    budget_bytes,
+    budget_need,
+    shown_budget,
+    uses_chunks,
+)
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
 from fxstar.runtime.layout import AccessPlan, ChunkLayout
-from fxstar.sizes import format_size
 
 PLAN_KEY = "chunk_plan"  # Program.meta key of the AccessPlan
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
@@ -271,33 +276,105 @@ def _next_original(node: fx.Node, estimate: dict[fx.Node, int]) -> int:
     return estimate.get(node, 0)
 
 
-def check_budget(
-    plan: AccessPlan, layout: ChunkLayout, budget: int | None, static: int | None
-) -> None:
+def check_budget(plan: AccessPlan, layout: ChunkLayout, program: Program) -> None:
+    """Every moment's chunks must fit their share of the budget; the error names the moment
+    that needs the most and the smallest device_memory this plan works with."""
+    budget = budget_bytes(program)
     if budget is None:
         return  # no budget: every chunk stays resident
-    for t in range(len(plan)):
-        chunks = plan.pinned_at_once[t] * layout.chunk_bytes
-        share = static if static is not None else budget - plan.nonmodel_bytes[t]
-        if chunks > share:
-            where = "the static partition" if static is not None else (
-                f"device_memory {format_size(budget)} minus about "
-                f"{format_size(plan.nonmodel_bytes[t])} of activations and temporaries"
-            )  # fmt: skip
-            raise ChunkScheduleError(
-                f"access {t} ({plan.phases[t]}, chunk {plan.chunks[t]}) needs "
-                f"{plan.pinned_at_once[t]} chunks of {format_size(layout.chunk_bytes)} at once "
-                f"({format_size(chunks)}), but only {format_size(max(share, 0))} is left for "
-                f"chunks ({where}). Use a smaller chunk_size, checkpointing, or a larger "
-                "device_memory."
-            )
+    need = budget_need(program.plan, plan, layout)
+    if need.device_memory > budget:
+        raise ChunkScheduleError(
+            f"device_memory {shown_budget(program.plan, budget)} is too small: "
+            f"{need.describe()}. {need.remedy()}, or use a smaller chunk_size (or 'auto')."
+        )
 
 
-def static_share(program: Program) -> int | None:
-    plan, budget = program.plan, budget_bytes(program)
-    if not plan.static_partition or budget is None:
-        return None
-    return int(plan.warmup_gpu_chunk_mem_ratio * budget)
+class AccessForecast:
+    """The access plan this pass would make for a layout, without rewriting anything: the
+    chunk-size search asks it about every candidate layout. It follows rewrite() and
+    access_plan() step for step (tests hold the two equal); prepared once per program, each
+    plan(layout) costs a segments() per graph."""
+
+    def __init__(self, program: Program):
+        gm = program.graph_module
+        top = parameter_placeholders(program)
+        # a copy of the top-level graph whose region calls no longer read parameters, as
+        # after move_into_regions; the regions' own graphs are only read
+        graph, env = fx.Graph(), {}
+        output = graph.graph_copy(gm.graph, env)
+        graph.output(output)
+        self.nodes = list(graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.params = {env[n]: name for n, name in top.items()}
+        self.estimate = nonmodel_estimate(self.nodes)
+        self.regions: dict[fx.Node, tuple[dict[fx.Node, str], list[fx.Node]]] = {}
+        for call, region in region_calls(gm):
+            first, args = region_inputs(call)
+            placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+            inner = {ph: top[a] for a, ph in zip(args, placeholders, strict=True)
+                     if isinstance(a, fx.Node) and a in top}  # fmt: skip
+            copy = env[call]
+            copy.args = (*copy.args[:first],
+                         *(env[a] if isinstance(a, fx.Node) else a for a in args
+                           if not (isinstance(a, fx.Node) and a in top)))  # fmt: skip
+            self.regions[copy] = (inner, list(region.graph.nodes))
+
+    def plan(self, layout: ChunkLayout) -> AccessPlan:
+        plan = AccessPlan([], [], [], [])
+        slots = layout.slots()
+        regions = {call: _events(segments(params, layout, {n: i for i, n in enumerate(nodes)}),
+                                 len(nodes))
+                   for call, (params, nodes) in self.regions.items()}  # fmt: skip
+
+        def fetches(events, phase: str, nonmodel: int | None, outer: set[int]) -> None:
+            """As access_plan's: a region's fetches inline where it is called; in a
+            recomputation nothing is released until the region's backward is done."""
+            open_chunks = set(outer)
+            for kind, chunk, i in events:
+                node = self.nodes[i] if nonmodel is None else None
+                if kind == "fetch":
+                    open_chunks.add(chunk)
+                    plan.chunks.append(chunk)
+                    plan.phases.append(phase)
+                    plan.nonmodel_bytes.append(nonmodel if node is None else self.estimate[node])
+                    plan.pinned_at_once.append(len(open_chunks))
+                elif kind == "release" and phase == "forward":
+                    open_chunks.discard(chunk)
+                elif node in regions:
+                    fetches(regions[node], phase, self.estimate[node], open_chunks)
+
+        fetches(_events(segments(self.params, layout, self.pos), len(self.nodes)), "forward",
+                None, set())  # fmt: skip
+        for node in reversed(self.nodes):  # backward, last node first
+            if node in regions:
+                fetches(regions[node], "backward", self.estimate[node], set())
+                continue
+            mem = node.meta.get(META_KEY)
+            needed = [slots[n].chunk for n in mem.saved_params] if mem is not None else []
+            for chunk in needed:
+                plan.chunks.append(chunk)
+                plan.phases.append("backward")
+                plan.nonmodel_bytes.append(self.estimate[node])
+                plan.pinned_at_once.append(len(set(needed)))
+        return plan
+
+
+def _events(segs: list[Segment], count: int) -> list[tuple[str, int | None, int]]:
+    """(kind, chunk, node position) in the order insert_fetches leaves them in a graph of
+    `count` nodes: a segment's fetch just before its first node (segments in order), its
+    release just after its last node (later segments' releases first)."""
+    before: list[list[int]] = [[] for _ in range(count)]
+    after: list[list[int]] = [[] for _ in range(count)]
+    for seg in segs:
+        before[seg.start].append(seg.chunk)
+        after[seg.end].insert(0, seg.chunk)
+    out: list[tuple[str, int | None, int]] = []
+    for i in range(count):
+        out += [("fetch", c, i) for c in before[i]]
+        out.append(("node", None, i))
+        out += [("release", c, i) for c in after[i]]
+    return out
 
 
 @register
@@ -312,9 +389,9 @@ class ChunkSchedule(Pass):
         layout: ChunkLayout = program.meta[LAYOUT_KEY]
         original = rewrite(program, layout)
         plan = access_plan(program.graph_module, layout, original)
-        check_budget(plan, layout, budget_bytes(program), static_share(program))
+        check_budget(plan, layout, program)
         program.meta[PLAN_KEY] = plan
         return program
 
 
-__all__ = ["PLAN_KEY", "ChunkSchedule", "ChunkScheduleError", "returns_alias"]
+__all__ = ["PLAN_KEY", "AccessForecast", "ChunkSchedule", "ChunkScheduleError", "returns_alias"]

@@ -6,10 +6,15 @@ this rank's weight shard (the store derives the shard; `engine.state_dict()` all
 back, so call it on every rank); shape arguments between them get per-rank head counts; with
 sequence parallelism the edges tp_sharding found get `scatter_to_seq`, `gather_from_seq` and
 `grad_all_reduce` nodes. Every collective is a graph node, so `fxstar.dump`/`diff` show it.
+
+Before rewriting, an engine's first compile makes the process group its collectives run on
+(`plan.dist_timeout`, named by `group=` in the nodes), and every compile has the ranks agree on
+plan, graph and (first compile: full, unsharded) parameters: `fxstar.runtime.agreement`.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -21,11 +26,14 @@ from fxstar.passes import Pass, register
 from fxstar.passes.tp_sharding import META_KEY, LinearSite, Sharding, TPShardingError
 from fxstar.plan import mark_implemented
 from fxstar.program import Program
+from fxstar.runtime import agreement
 from fxstar.runtime import dist as tp
 
-__all__ = ["TensorParallel", "shard_of", "unshard"]
+__all__ = ["GROUP_KEY", "TensorParallel", "shard_of", "unshard"]
 
-mark_implemented("tensor_parallel", "mem_saving_comm")
+mark_implemented("tensor_parallel", "mem_saving_comm", "dist_timeout")
+
+GROUP_KEY = "tensor_parallel.group"  # Program.shared: the engine's process group (a tp key)
 
 
 def shard_of(full: torch.Tensor, dim: int, parts: int, n: int, rank: int) -> torch.Tensor:
@@ -40,12 +48,21 @@ def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
     return torch.cat(pieces, dim + 1).flatten(dim, dim + 1)
 
 
-def _consolidate(dim: int, parts: int):
+def _consolidate(dim: int, parts: int, group: str):
     def glue(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         (shard,) = tensors.values()
-        return unshard(tp.gather_shards(shard.detach()), dim, parts)
+        return unshard(tp.gather_shards(shard.detach(), group), dim, parts)
 
     return glue
+
+
+def _engine_group(program: Program) -> str:
+    """A process group with plan.dist_timeout, destroyed when the engine's parameter store is
+    freed (the Engine has no hook for it yet)."""
+    group = tp.new_group(program.plan.dist_timeout)
+    if program.store is not None:
+        weakref.finalize(program.store, tp.release_group, group).atexit = False
+    return group
 
 
 def _local_val(val: Any, dim: int, n: int) -> Any:
@@ -89,6 +106,13 @@ class TensorParallel(Pass):
                 "tensor_parallel needs a process group: call "
                 "torch.distributed.init_process_group first (torchrun sets it up)"
             )
+        first = GROUP_KEY not in program.shared
+        if first:  # one group per engine: its captures share Program.shared
+            program.shared[GROUP_KEY] = _engine_group(program)
+        group = program.shared[GROUP_KEY]
+        # first, while nothing can have failed on one rank only: all raise the same error
+        if not program.meta.get(agreement.AGREED):
+            agreement.agree(program, group, tensors=first)
         if dist.get_world_size() != config.size:
             raise TPShardingError(
                 f"plan.tensor_parallel.size is {config.size} but the process group has "
@@ -103,12 +127,14 @@ class TensorParallel(Pass):
         if program.store is None:
             raise TPShardingError("tensor_parallel needs an engine's ParameterStore (compile)")
         sharding: Sharding = program.meta[META_KEY]
-        _Rewrite(program, sharding, config, program.plan.mem_saving_comm).run()
+        _Rewrite(program, sharding, config, program.plan.mem_saving_comm, group).run()
         return program
 
 
 class _Rewrite:
-    def __init__(self, program: Program, sharding: Sharding, config: Any, mem_saving: bool):
+    def __init__(
+        self, program: Program, sharding: Sharding, config: Any, mem_saving: bool, group: str
+    ):
         self.program = program
         self.sharding = sharding
         self.graph = program.graph_module.graph
@@ -118,6 +144,7 @@ class _Rewrite:
         self.async_comm = config.async_communication
         self.recompute = config.recompute_allgather
         self.mem_saving = mem_saving
+        self.group = group
 
     def run(self) -> None:
         s = self.sharding
@@ -145,7 +172,7 @@ class _Rewrite:
         parts_made = self.program.store.derive(
             param,
             lambda full: {"": shard_of(full, dim, parts, n, rank)},
-            _consolidate(dim, parts),
+            _consolidate(dim, parts, self.group),
         )
         (full_name,) = parts_made
         old = self.nodes[node_name]
@@ -172,7 +199,7 @@ class _Rewrite:
         kwargs = {"sequence_parallel": self.sp, "async_comm": self.async_comm}
         if column:
             kwargs["recompute"] = self.recompute
-        kwargs.update(mem_saving=self.mem_saving, transposed=site.transposed)
+        kwargs.update(mem_saving=self.mem_saving, transposed=site.transposed, group=self.group)
         fn = tp.column_linear if column else tp.row_linear
         with self.graph.inserting_before(out):
             name = f"{site.style}_{site.module.replace('.', '_')}"
@@ -204,7 +231,7 @@ class _Rewrite:
             producer, consumer = self.nodes[edge.producer], self.nodes[edge.consumer]
             new = made.get(edge.producer)
             if new is None:
-                kwargs = {"mem_saving": self.mem_saving}
+                kwargs = {"mem_saving": self.mem_saving, "group": self.group}
                 args = (producer,) if dim is None else (producer, dim)
                 with self.graph.inserting_before(consumer):
                     new = self.graph.create_node(

@@ -2,12 +2,14 @@
 rewrites what it decides).
 
 It finds the column- and row-parallel linears (plan rules first, then the usual transformer
-names), carries each column linear's output sharding forward through the ops between it and
-the row linear (view/reshape of heads, transpose, attention, elementwise) and computes the
-per-rank shape arguments, and with sequence parallelism finds the nodes that can run on a
-sequence slice and the edges where a tensor must be sliced, gathered, or have its gradient
-summed. Everything it decides is data in `program.meta[META_KEY]` (a `Sharding`), and a note
-per node in dumps; it needs no process group (only `plan.tensor_parallel.size`).
+names), carries each column linear's output split forward to the row linear with one rule per
+op (`tp_rules`: view of heads, transpose, cat, split, attention, elementwise, ...), which also
+give the per-rank shape arguments, marks replicated tensors with a gradient that split work
+reads (their gradient is partial on each rank: summed), and with sequence parallelism finds
+the nodes that can run on a sequence slice and the edges where a tensor must be sliced,
+gathered, or have its gradient summed. Everything it decides is data in
+`program.meta[META_KEY]` (a `Sharding`), and a note per node in dumps; it needs no process
+group (only `plan.tensor_parallel.size`).
 
 Why our own propagation: see DESIGN.md, "Tensor parallel on an export graph".
 """
@@ -24,8 +26,19 @@ import torch
 from torch import fx
 
 from fxstar.dump import NOTES_KEY, target_name
-from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
+from fxstar.passes.tp_rules import (
+    ELEMENTWISE,
+    UNARY,
+    VIEWS,
+    Call,
+    Refusal,
+    Shard,
+    TPShardingError,
+    op_name,
+    rule_for,
+    static_shape,
+)
 from fxstar.program import Program
 
 __all__ = [
@@ -65,15 +78,20 @@ DEFAULT_RULES: dict[str, str] = {
     ),  # fmt: skip
     # attention out-projection and MLP down: split the inputs
     **dict.fromkeys(
-        ("*o_proj", "*out_proj", "*.c_proj", "*down_proj", "*.fc2", "*.w2", "*dense_4h_to_h"),
+        (
+            "*o_proj",
+            "*out_proj",
+            "*.c_proj",
+            "*down_proj",
+            "*.fc2",
+            "*.w2",
+            "*dense_4h_to_h",
+            "*attention.dense",
+        ),
         "row",
     ),
 }
 """Module-path patterns (fnmatch) of the usual transformer blocks; plan rules come first."""
-
-
-class TPShardingError(FxstarError, ValueError):
-    """The graph cannot be split as asked; the message names the node and a rule to fix it."""
 
 
 @dataclass
@@ -111,11 +129,12 @@ class Sharding:
     sites: list[LinearSite] = field(default_factory=list)
     sharded: dict[str, int] = field(default_factory=dict)  # node -> dim split across ranks
     args: dict[str, tuple] = field(default_factory=dict)  # node -> args with per-rank sizes
+    carried_by: dict[str, str] = field(default_factory=dict)  # split node -> tp_rules rule
     seq_len: int | None = None
     seq_nodes: list[str] = field(default_factory=list)  # run on sequence slices (dim -2)
     scatters: list[Edge] = field(default_factory=list)  # replicated -> slice for the consumer
     gathers: list[Edge] = field(default_factory=list)  # slices -> whole for the consumer
-    grad_reduces: list[Edge] = field(default_factory=list)  # broadcast over slices: sum grads
+    grad_reduces: list[Edge] = field(default_factory=list)  # read by rank-local work: sum grads
 
     def site(self, output: str) -> LinearSite:
         return next(s for s in self.sites if s.output == output)
@@ -131,44 +150,14 @@ def _layer_pattern(path: str) -> str:
     return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", path) or "<module>"
 
 
-def _op(node: fx.Node) -> str:
-    """'view', 'add', ... for aten overloads; '' for anything else."""
-    target = node.target
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    if node.op == "call_function" and getattr(target, "__name__", "") == "getitem":
-        return "getitem"
-    return ""
-
-
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    val = _val(node)
-    if not isinstance(val, torch.Tensor):
-        return None
-    shape = tuple(val.shape)
-    if not all(isinstance(s, int) for s in shape):
-        raise TPShardingError(
-            f"tensor parallel needs static shapes; node {node.name} has shape {shape}"
-        )
-    return shape
-
-
-ELEMENTWISE = frozenset(
-    ("add", "sub", "mul", "div", "neg", "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "log",
-     "rsqrt", "sqrt", "pow", "erf", "dropout", "clone", "contiguous", "to", "_to_copy",
-     "type_as", "alias", "detach", "where", "masked_fill")
-)  # fmt: skip
-VIEWS = frozenset({"view", "reshape", "_unsafe_view"})
 
 
 def _passive(node: fx.Node) -> bool:
     """A check export inserts that reads a tensor's dtype/device only: any shard passes it."""
     return (
-        _op(node) == "_assert_tensor_metadata"
+        op_name(node) == "_assert_tensor_metadata"
         and len(node.args) == 1
         and node.kwargs.get("size") is None
         and node.kwargs.get("stride") is None
@@ -189,7 +178,7 @@ def _find_sites(program: Program, rules: dict[str, str], n: int) -> list[LinearS
     slots = program.placeholder_kinds()
     sites = []
     for node in program.graph_module.graph.nodes:
-        op = _op(node)
+        op = op_name(node)
         if op not in ("linear", "addmm"):
             continue
         path = module_path(node)
@@ -204,8 +193,8 @@ def _find_sites(program: Program, rules: dict[str, str], n: int) -> list[LinearS
             b, flat, w = node.args[0], node.args[1], node.args[2]
             users = list(node.users)
             if not (
-                _op(flat) in VIEWS and len(_shape(flat.args[0]) or ()) >= 3
-                and len(users) == 1 and _op(users[0]) in VIEWS
+                op_name(flat) in VIEWS and len(static_shape(flat.args[0]) or ()) >= 3
+                and len(users) == 1 and op_name(users[0]) in VIEWS
             ):  # fmt: skip
                 raise TPShardingError(
                     f"{style}-parallel addmm {node.name} at {path} is not the Conv1D pattern "
@@ -234,7 +223,7 @@ def _find_sites(program: Program, rules: dict[str, str], n: int) -> list[LinearS
             bias_name=slots[b.name].target if b is not None else None, transposed=transposed,
             nodes=nodes,
         )  # fmt: skip
-        wshape = _shape(w)
+        wshape = static_shape(w)
         out_features = wshape[1] if transposed else wshape[0]
         in_features = wshape[0] if transposed else wshape[1]
         if style == "column":
@@ -257,76 +246,97 @@ def _find_sites(program: Program, rules: dict[str, str], n: int) -> list[LinearS
 
 
 def _fused_parts(out: fx.Node, features: int) -> int:
-    """How many projections a column output holds: q, k, v fused and split right after."""
+    """How many projections a column output holds, when it is cut into equal pieces on its
+    last dim right after: one split or chunk (GPT-2's q, k, v; Phi-3's gate and up), or
+    slices side by side (Phi-3's q, k, v). Anything else is one part: a contiguous split,
+    which is whole heads per rank when the rows are grouped per head (GPT-NeoX)."""
     users = list(out.users)
-    if len(users) != 1 or _op(users[0]) not in ("split", "split_with_sizes"):
-        return 1
-    split = users[0]
-    ndim = len(_shape(out))
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if dim % ndim != ndim - 1:
-        return 1
-    size = split.args[1]
-    if isinstance(size, int):
-        return features // size if features % size == 0 else 1
-    return len(size) if len(set(size)) == 1 else 1
+    last = len(static_shape(out)) - 1
+
+    def dim(node: fx.Node, i: int) -> int:
+        d = node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0)
+        return d % (last + 1)
+
+    if len(users) == 1 and op_name(users[0]) in ("split", "split_with_sizes", "chunk"):
+        cut = users[0]
+        if dim(cut, 2) != last:
+            return 1
+        size = cut.args[1]
+        if op_name(cut) == "chunk":
+            return size if features % size == 0 else 1
+        if isinstance(size, int):
+            return features // size if features % size == 0 else 1
+        return len(size) if len(set(size)) == 1 else 1
+    if users and all(op_name(u) == "slice" and dim(u, 1) == last for u in users):
+        spans = sorted(_span(u, features) for u in users)
+        ends = [0] + [e for _, e in spans]
+        if all(s == ends[i] and e - s == spans[0][1] for i, (s, e) in enumerate(spans)):
+            return len(spans) if ends[-1] == features else 1
+    return 1
+
+
+def _span(node: fx.Node, features: int) -> tuple[int, int]:
+    """[start, end) of a slice with step 1; (-1, -1) for any other."""
+    defaults = (None, 0, None, None, 1)  # slice.Tensor(self, dim, start, end, step)
+    _, _, start, end, step = (*node.args, *defaults[len(node.args) :])
+    start, end = start or 0, features if end is None else min(end, features)
+    return (start, end) if step == 1 and start >= 0 and end >= 0 else (-1, -1)
 
 
 # -- carrying the feature sharding ----------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class _Shard:
-    dim: int  # sharded dim of the (full) output
-    parts: int  # > 1 until a fused projection is split
-    origin: LinearSite
+_NO_GRAD = frozenset({"detach", "detach_", "lift_fresh_copy", "_assert_tensor_metadata"})
 
 
-def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
-    """The dim of `dst` that carries `src`'s sharded `dim` through a view, or None when the
-    shard would not stay one contiguous block (the dim is not outermost in its group)."""
-    i = j = 0
-    while i < len(src) and j < len(dst):
-        group_i, group_j = [i], [j]
-        pi, pj = src[i], dst[j]
-        i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj and i < len(src):
-                pi *= src[i]
-                group_i.append(i)
-                i += 1
-            elif j < len(dst):
-                pj *= dst[j]
-                group_j.append(j)
-                j += 1
-            else:
-                return None
-        if dim in group_i:
-            if any(src[k] != 1 for k in group_i[: group_i.index(dim)]):
-                return None
-            return next((k for k in group_j if dst[k] != 1), None)
-    return None
+def _floating(val: Any) -> bool:
+    if isinstance(val, list | tuple):
+        return any(_floating(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _needs_grad(program: Program) -> set[fx.Node]:
+    """Nodes whose value a parameter reaches through differentiable ops (export's values do
+    not say: their requires_grad is False)."""
+    slots = program.placeholder_kinds()
+    grad: set[fx.Node] = set()
+    for node in program.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            slot = slots.get(node.name)
+            if slot is not None and slot.kind == "parameter":
+                grad.add(node)
+        elif (
+            node.op == "call_function" and op_name(node) not in _NO_GRAD and _floating(_val(node))
+            and any(m in grad for m in node.all_input_nodes)
+        ):  # fmt: skip
+            grad.add(node)
+    return grad
 
 
 class _Carrier:
-    """Walks the graph in order and carries each column output's sharding to its row linear."""
+    """Walks the graph in order and carries each column output's split to its row linear,
+    applying each op's rule from tp_rules."""
 
     def __init__(self, program: Program, sites: list[LinearSite], n: int):
         self.n = n
-        self.shard: dict[fx.Node, _Shard] = {}
+        self.shard: dict[fx.Node, Shard] = {}
+        self.origin: dict[fx.Node, LinearSite] = {}  # the column linear a split comes from
         self.args: dict[str, tuple] = {}
+        self.carried_by: dict[str, str] = {}
+        self.grad_reduces: list[Edge] = []
+        self.needs_grad = _needs_grad(program)
         self.nodes = {node.name: node for node in program.graph_module.graph.nodes}
         self.columns = {s.output: s for s in sites if s.style == "column"}
         self.rows = {s.input: s for s in sites if s.style == "row"}
         # nodes a site replaces (a column's output is where its split starts)
         self.inside = {name for s in sites for name in s.nodes} - set(self.columns)
 
-    def fail(self, node: fx.Node, why: str, shard: _Shard) -> TPShardingError:
-        site = shard.origin
+    def fail(self, node: fx.Node, rule: str | None, why: str) -> TPShardingError:
+        site = next(self.origin[m] for m in node.all_input_nodes if m in self.origin)
+        how = f"rule {rule!r} cannot carry the split" if rule else "no rule carries a split"
         return TPShardingError(
             f"tensor parallel: node {node.name} ({target_name(node.target)}) at "
             f"{module_path(node) or '<model>'} reads the output of column-parallel "
-            f"{site.module} split across ranks, and {why}.\n"
+            f"{site.module} split across ranks, and {how}: it {why}.\n"
             f"  fix: rules={{{_layer_pattern(site.module)!r}: 'replicate'}} keeps that linear "
             f"whole, or mark the linear that should end the split 'row'"
         )
@@ -335,23 +345,17 @@ class _Carrier:
         for node in self.nodes.values():
             if node.name in self.columns:
                 site = self.columns[node.name]
-                self.shard[node] = _Shard(len(_shape(node)) - 1, site.parts, site)
+                self.shard[node] = Shard(len(static_shape(node)) - 1, site.parts)
+                self.origin[node] = site
                 continue
-            if node.name in self.inside:
+            if node.name in self.inside or _passive(node):
                 continue
-            inputs = [m for m in node.all_input_nodes if m in self.shard]
-            if not inputs or _passive(node):
-                continue
-            shard = self.shard[inputs[0]]
-            if node.op == "output":
-                raise self.fail(node, "the model returns it", shard)
-            result = self.carry(node, shard)
-            if result is not None:
-                self.shard[node] = result
+            if any(m in self.shard for m in node.all_input_nodes):
+                self.carry(node)
         for name, site in self.rows.items():
             shard = self.shard.get(self.nodes[name])
-            last = len(_shape(self.nodes[name])) - 1
-            if shard is None or shard.dim != last or shard.parts != 1:
+            last = len(static_shape(self.nodes[name])) - 1
+            if shard is None or shard != Shard(last):
                 got = "not split" if shard is None else f"split on dim {shard.dim}"
                 raise TPShardingError(
                     f"row-parallel linear at {site.module} needs its input {name} split on "
@@ -359,111 +363,28 @@ class _Carrier:
                     f"rules={{{_layer_pattern(site.module)!r}: 'replicate'}}"
                 )
 
-    def carry(self, node: fx.Node, shard: _Shard) -> _Shard | None:
-        """The sharding of `node`'s output; records rewritten args; raises if impossible."""
-        op, d, n = _op(node), shard.dim, self.n
-        src = node.args[0] if node.args else None
-        in_shape = _shape(src) if isinstance(src, fx.Node) else None
-        out_shape = _shape(node)
-        if shard.parts > 1 and op not in ELEMENTWISE | {"split", "split_with_sizes"}:
-            raise self.fail(node, "the fused q/k/v output must be split first", shard)
-        if op in ELEMENTWISE:
-            return self._elementwise(node, shard, out_shape)
-        if op in VIEWS:
-            e = _view_dim(in_shape, out_shape, d)
-            if e is None or out_shape[e] % n:
-                raise self.fail(node, f"a view {in_shape} -> {out_shape} breaks the split", shard)
-            sizes = list(node.args[1])
-            if sizes[e] != -1:
-                sizes[e] = out_shape[e] // n
-            self.args[node.name] = (src, sizes, *node.args[2:])
-            return _Shard(e, 1, shard.origin)
-        if op == "transpose":
-            a, b = (x % len(in_shape) for x in node.args[1:3])
-            return _Shard(b if d == a else a if d == b else d, 1, shard.origin)
-        if op == "permute":
-            dims = [x % len(in_shape) for x in node.args[1]]
-            return _Shard(dims.index(d), 1, shard.origin)
-        if op == "unsqueeze":
-            k = node.args[1] % len(out_shape)
-            return _Shard(d + (k <= d), 1, shard.origin)
-        if op in ("squeeze", "select", "slice"):
-            k = node.args[1] % len(in_shape) if len(node.args) > 1 else None
-            if k is None or k == d:
-                raise self.fail(node, f"{op} touches the split dim {d}", shard)
-            return _Shard(d - (k < d and op != "slice"), 1, shard.origin)
-        if op == "expand":
-            sizes = list(node.args[1])
-            e = d + len(sizes) - len(in_shape)
-            if sizes[e] != -1:
-                sizes[e] = out_shape[e] // n
-            self.args[node.name] = (src, sizes, *node.args[2:])
-            return _Shard(e, 1, shard.origin)
-        if op in ("split", "split_with_sizes"):
-            dim = (node.args[2] if len(node.args) > 2 else 0) % len(in_shape)
-            if dim != d:
-                return _Shard(d, shard.parts, shard.origin)
-            size = node.args[1]
-            if shard.parts > 1 and isinstance(size, int) and size * shard.parts == in_shape[d]:
-                self.args[node.name] = (src, size // n, *node.args[2:])
-                return _Shard(d, 1, shard.origin)
-            if shard.parts > 1 and not isinstance(size, int) and len(size) == shard.parts:
-                self.args[node.name] = (src, [s // n for s in size], *node.args[2:])
-                return _Shard(d, 1, shard.origin)
-            raise self.fail(node, "splits along the split dim", shard)
-        if op == "getitem":
-            return shard
-        if op == "cat":
-            tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
-            if dim % len(out_shape) == d or any(
-                self.shard.get(t) is None or self.shard[t].dim != d for t in tensors
-            ):
-                why = f"concatenates it with unsplit tensors or along dim {d}"
-                raise self.fail(node, why, shard)
-            return _Shard(d, 1, shard.origin)
-        if op == "scaled_dot_product_attention":
-            q, k, v = node.args[:3]
-            heads = len(out_shape) - 3
-            if any(self.shard.get(t) is None or self.shard[t].dim != heads for t in (q, k, v)):
-                raise self.fail(node, "query, key and value are not all split by heads", shard)
-            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-            mshape = _shape(mask) if isinstance(mask, fx.Node) else None
-            if mshape is not None and len(mshape) >= 3 and mshape[-3] != 1:
-                raise self.fail(node, "its attention mask has a head dim", shard)
-            return _Shard(heads, 1, shard.origin)
-        if op in ("softmax", "_softmax", "_log_softmax", "log_softmax"):
-            if node.args[1] % len(in_shape) == d:
-                raise self.fail(node, "normalises along the split dim", shard)
-            return shard
-        if op == "matmul":
-            a, b = node.args[:2]
-            batch = len(out_shape) - 2
-            split = [self.shard.get(t) for t in (a, b)]
-            if d >= batch or any(s is None or s.dim != d for s in split):
-                raise self.fail(node, "multiplies along the split dim", shard)
-            return shard
-        raise self.fail(node, f"fxstar cannot carry a split through {op or node.target}", shard)
-
-    def _elementwise(self, node: fx.Node, shard: _Shard, out_shape) -> _Shard:
-        """Broadcasting aligns dims from the right: every split input must land on one output
-        dim, and an unsplit input must be broadcast (size 1 or absent) along it."""
-        out_nd = len(out_shape)
-        dims = {
-            self.shard[m].dim + out_nd - len(_shape(m))
-            for m in node.all_input_nodes
-            if m in self.shard
-        }
-        if len(dims) != 1:
-            raise self.fail(node, "combines tensors split on different dims", shard)
-        dim = dims.pop()
+    def carry(self, node: fx.Node) -> None:
+        """Record `node`'s split, per-rank args and replicated inputs whose grads are summed."""
+        if node.op == "output":
+            raise self.fail(node, None, "is returned by the model; a KV cache returned in "
+                            "training is not needed: config.use_cache=False")  # fmt: skip
+        rule_name, rule = rule_for(node)
+        if rule is None:
+            raise self.fail(node, None, f"is {rule_name}, which tp_rules has no rule for")
+        try:
+            carried = rule(Call(node, self.n, self.shard))
+        except Refusal as refusal:
+            raise self.fail(node, rule_name, str(refusal)) from None
+        if carried.shard is None:
+            return
+        self.shard[node] = carried.shard
+        self.origin[node] = next(self.origin[m] for m in node.all_input_nodes if m in self.shard)
+        self.carried_by[node.name] = rule_name
+        if carried.args is not None:
+            self.args[node.name] = carried.args
         for m in node.all_input_nodes:
-            shape = _shape(m)
-            if m in self.shard or shape is None:
-                continue
-            k = dim - (out_nd - len(shape))
-            if k >= 0 and shape[k] != 1:
-                raise self.fail(node, f"combines it with unsplit {m.name} {list(shape)}", shard)
-        return _Shard(dim, shard.parts, shard.origin)
+            if m not in self.shard and m in self.needs_grad:
+                self.grad_reduces.append(Edge(m.name, node.name))
 
 
 # -- the sequence-sharded region ------------------------------------------------------------------
@@ -473,19 +394,19 @@ def _seq_local(node: fx.Node, seq: int, excluded: set[str]) -> bool:
     """True when `node` computes each position of dim -2 from the same position only."""
     if node.op != "call_function" or node.name in excluded:
         return False
-    op = _op(node)
-    shape = _shape(node)
+    op = op_name(node)
+    shape = static_shape(node)
     val = _val(node)
     if shape is None or len(shape) < 2 or shape[-2] != seq or not val.is_floating_point():
         return False
-    if op in ELEMENTWISE:
+    if op in ELEMENTWISE | UNARY:
         return True
     if op == "layer_norm":
         return len(node.args[1]) == 1
     if op == "rms_norm":
         return len(node.args[1]) == 1
     if op in ("mean", "sum") and len(node.args) > 1:
-        nd = len(_shape(node.args[0]))
+        nd = len(static_shape(node.args[0]))
         dims = node.args[1] if isinstance(node.args[1], list | tuple) else [node.args[1]]
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         return bool(keep) and all(x % nd == nd - 1 for x in dims)
@@ -496,7 +417,7 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
     graph = program.graph_module.graph
     nodes = {node.name: node for node in graph.nodes}
     columns = [s for s in sharding.sites if s.style == "column"]
-    seqs = {(_shape(nodes[s.input]) or (0, 0))[-2] for s in columns}
+    seqs = {(static_shape(nodes[s.input]) or (0, 0))[-2] for s in columns}
     if len(seqs) != 1:
         raise TPShardingError(
             f"sequence parallel needs one sequence length (dim -2) at every column-parallel "
@@ -551,7 +472,7 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
 
 def _boundary(sharding: Sharding, m: fx.Node, user: fx.Node, seq: int) -> None:
     """A replicated `m` read by sequence-local `user`: slice it, or sum its gradient."""
-    shape = _shape(m)
+    shape = static_shape(m)
     val = _val(m)
     if shape is None or not val.is_floating_point():
         return
@@ -565,6 +486,20 @@ def _boundary(sharding: Sharding, m: fx.Node, user: fx.Node, seq: int) -> None:
             f"sequence slices but reads {m.name} of shape {list(shape)}, whose dim -2 is "
             f"neither the sequence ({seq}) nor 1; turn sequence_parallel off"
         )
+
+
+def _check_slices_meet_splits(sharding: Sharding, needs_grad: set[fx.Node]) -> None:
+    """A tensor computed on sequence slices and read by head-split work: its gather keeps
+    the own slice of the gradient, right for replicated readers only; refuse when one flows."""
+    grads = {node.name for node in needs_grad}
+    seq = set(sharding.seq_nodes)
+    for edge in (*sharding.gathers, *sharding.grad_reduces):
+        if edge.consumer in sharding.sharded and edge.producer in seq & grads:
+            raise TPShardingError(
+                f"sequence parallel: node {edge.consumer} is split across ranks by heads or "
+                f"features but reads {edge.producer}, computed on sequence slices and "
+                f"trained; turn sequence_parallel off"
+            )
 
 
 # -- the pass -------------------------------------------------------------------------------------
@@ -593,8 +528,11 @@ class TPSharding(Pass):
         carrier.run()
         sharding.sharded = {node.name: s.dim for node, s in carrier.shard.items()}
         sharding.args = carrier.args
+        sharding.carried_by = carrier.carried_by
+        sharding.grad_reduces = list(carrier.grad_reduces)
         if config.sequence_parallel:
             _sequence_region(program, sharding, set(sharding.sharded), n)
+            _check_slices_meet_splits(sharding, carrier.needs_grad)
         program.meta[META_KEY] = sharding
         self._annotate(program, sharding)
         return program
@@ -606,6 +544,8 @@ class TPSharding(Pass):
             note = site.style + (f"x{site.parts}" if site.parts > 1 else "")
             nodes[site.output].meta.setdefault(NOTES_KEY, {})["tp"] = note
         for name, dim in sharding.sharded.items():
-            nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", f"split(dim={dim})")
+            rule = sharding.carried_by.get(name)
+            note = f"split(dim={dim}{f', {rule}' if rule else ''})"
+            nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", note)
         for name in sharding.seq_nodes:
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", "seq")

@@ -125,5 +125,7 @@ def available_variants() -> list[str]:
 
 
 def selected_variant() -> str:
-    """The variant used when none is named (override with FXSTAR_CPU_VARIANT)."""
+    """The variant used when none is named: the best available, or the one the environment
+    variable FXSTAR_CPU_VARIANT names. A name there that is not a variant this CPU runs is a
+    ValueError listing those it does, here and at every kernel call that uses the default."""
     return _C.selected_variant()

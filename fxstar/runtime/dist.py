@@ -16,16 +16,30 @@ and keep or recompute the gathered input. Recompute saves only the rank's shard 
 and re-gathers it into one reusable buffer (any device), overlapped with grad_input.
 `mem_saving=True` swaps the collectives for PatrickStar's: N broadcasts for an all-gather and
 N reduces through one scratch buffer for a reduce-scatter.
+
+Process groups: an engine runs its collectives on a group of its own (`new_group`), made with
+`plan.dist_timeout`, so a rank that stopped (crashed, skipped a step, diverged) makes the others
+raise a `CollectiveError` naming the collective instead of waiting out gloo's 30 minutes. Graph
+nodes name the group by a string key (`group=`): a process group cannot be written into graph
+code, and the key reads well in dumps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import datetime
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fxstar.errors import FxstarError
+
 __all__ = [
+    "CollectiveError",
     "Collectives",
     "all_gather_seq",
     "all_reduce_forward",
@@ -33,7 +47,10 @@ __all__ = [
     "gather_from_seq",
     "gather_shards",
     "grad_all_reduce",
+    "group_timeout",
+    "new_group",
     "reduce_scatter_seq",
+    "release_group",
     "row_linear",
     "scatter_to_seq",
 ]
@@ -46,18 +63,140 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# -- process groups and their failures ------------------------------------------------------------
+
+
+class CollectiveError(FxstarError, RuntimeError):
+    """A collective timed out or lost a peer: another rank failed, stopped calling the engine,
+    or diverged. Raised in place of gloo's bare 'Timed out waiting ...' or 'Connection closed by
+    peer', naming the collective, the rank and the group; the original is its `__cause__`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    pg: Any  # dist.ProcessGroup
+    timeout: float  # seconds
+
+
+_GROUPS: dict[str, _Group] = {}
+_KEYS = itertools.count()
+
+
+def new_group(timeout: float) -> str:
+    """A process group over every rank whose collectives give up after `timeout` seconds; its
+    key is what graph nodes and `Collectives` name it by. Collective: every rank calls it at
+    the same point, so the keys agree across ranks too."""
+    try:
+        pg = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as error:
+        if not _lost_peer(error):
+            raise
+        raise CollectiveError(
+            f"creating the engine's process group on rank {dist.get_rank()} of "
+            f"{dist.get_world_size()} timed out after {timeout:g} s: another rank did not reach "
+            "the same compile (it failed before, in capture or tp_sharding, or its plan has no "
+            "tensor_parallel). Look for the first error in the other ranks' output; "
+            f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
+        ) from error
+    key = f"fxstar{next(_KEYS)}"
+    _GROUPS[key] = _Group(pg, float(timeout))
+    return key
+
+
+def release_group(key: str) -> None:
+    """Destroy the group `key` (its engine is closed or freed); an unknown key is ignored."""
+    group = _GROUPS.pop(key, None)
+    if group is None or not dist.is_initialized():
+        return
+    with contextlib.suppress(ValueError, RuntimeError):  # gone with the default group already
+        dist.destroy_process_group(group.pg)
+
+
+def process_group(key: str | None) -> Any:
+    """The ProcessGroup behind `key`; None stays None (torch's default group)."""
+    if key is None:
+        return None
+    try:
+        return _GROUPS[key].pg
+    except KeyError:
+        raise CollectiveError(
+            f"process group {key!r} does not exist in this process: the engine that made it "
+            "was closed or freed, or the graph came from another process; compile the model "
+            "again"
+        ) from None
+
+
+def group_timeout(key: str | None) -> float | None:
+    """Seconds the collectives of group `key` wait; None for the default group (torch's)."""
+    group = _GROUPS.get(key) if key is not None else None
+    return None if group is None else group.timeout
+
+
+# What gloo (torch 2.13) raises when a peer is gone: a plain RuntimeError saying "Timed out
+# waiting 5000ms for recv operation to complete", "Connection closed by peer [...]" or, from the
+# store while a group is made, "Wait timeout". Other RuntimeErrors (bad shapes) pass unchanged.
+_LOST_PEER = ("timed out", "timeout", "connection", "closed by peer", "broken pipe")
+
+
+def _lost_peer(error: BaseException) -> bool:
+    if isinstance(error, dist.DistNetworkError):
+        return True
+    text = str(error).lower()
+    return any(sign in text for sign in _LOST_PEER)
+
+
+def _lost_peer_message(what: str, key: str | None, error: BaseException) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    world = dist.get_world_size() if dist.is_initialized() else "?"
+    timeout = group_timeout(key)
+    text = str(error).strip()
+    if "time" in text.lower():
+        happened = f"timed out after {timeout:g} s" if timeout is not None else "timed out"
+    else:
+        happened = "lost its connection to another rank"
+    group = f"process group {key!r}" if key is not None else "the default process group"
+    limit = (
+        f"plan.dist_timeout ({timeout:g} s) bounds the wait"
+        if timeout is not None
+        else "init_process_group(timeout=...) bounds the wait"
+    )
+    first = text.splitlines()[0] if text else type(error).__name__
+    return (
+        f"{what} on rank {rank} of {world} {happened} ({group}): another rank probably "
+        "failed, stopped calling the engine (it raised and went on, or skipped a step), or "
+        "diverged (a different plan, model or input). Look for the first error in the other "
+        f"ranks' output; {limit}.\n  backend said: {first}"
+    )
+
+
+@contextlib.contextmanager
+def guard(what: str, group: str | None = None) -> Iterator[None]:
+    """Re-raise a timeout or a lost connection inside the block as a CollectiveError about
+    `what` (a collective and its caller) on `group` (a key; None = the default group)."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        if not _lost_peer(error):
+            raise
+        raise CollectiveError(_lost_peer_message(what, group, error)) from error
+
+
 # -- collectives ----------------------------------------------------------------------------------
 
 
 class _Works:
-    """Pending collectives behind one `wait()`."""
+    """Pending collectives behind one `wait()`, which names them if they fail."""
 
-    def __init__(self, works: list[Any] = ()):
+    def __init__(self, works: list[Any] = (), what: str = "", group: str | None = None):
         self.works = [w for w in works if w is not None]
+        self.what, self.group = what, group
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        with guard(self.what, self.group):
+            for work in self.works:
+                work.wait()
         self.works = []
 
 
@@ -89,42 +228,70 @@ BUFFERS = _BufferPool()
 
 
 class Collectives:
-    """The collectives the TP ops use, over the default process group.
+    """The collectives the TP ops use, over the group `group` (a key from `new_group`; None =
+    torch's default group). Groups span every rank, so a group rank is a global rank.
 
+    `op` and `phase` name the caller in errors ('all_gather in column_linear backward').
     `mem_saving`: all-gather as N broadcasts, reduce-scatter as N reduces through one scratch
     buffer (gloo's `reduce` overwrites its input on non-root ranks, so never reduce in place).
     Those reduces run one after another, so they are not overlapped even when asked to be.
     """
 
-    def __init__(self, mem_saving: bool = False):
+    def __init__(
+        self, mem_saving: bool = False, group: str | None = None, op: str = "",
+        phase: str = "forward",
+    ):  # fmt: skip
         self.mem_saving = mem_saving
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.group, self.op, self.phase = group, op, phase
+        self.pg = process_group(group)
+        self.rank = dist.get_rank(self.pg)
+        self.world = dist.get_world_size(self.pg)
+
+    def in_backward(self) -> Collectives:
+        """The same collectives, named as the caller's backward in errors."""
+        return Collectives(self.mem_saving, self.group, self.op, "backward")
+
+    def _issue(self, name: str, issue: Callable[[], list[Any]]) -> _Works:
+        what = f"{name} in {self.op} {self.phase}" if self.op else name
+        with guard(what, self.group):
+            return _Works(issue(), what, self.group)
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
         """out[r] = rank r's x; out is [N, *x.shape]."""
+        pg = self.pg
         if not self.mem_saving:
-            work = _all_gather_single(out.flatten(0, 1), x.contiguous(), async_op=async_op)
-            return _Works([work])
+            flat = out.flatten(0, 1)
+            return self._issue("all_gather", lambda: [
+                _all_gather_single(flat, x.contiguous(), group=pg, async_op=async_op)
+            ])  # fmt: skip
         out[self.rank].copy_(x)
-        works = [dist.broadcast(out[src], src, async_op=async_op) for src in range(self.world)]
-        return _Works(works)
+        return self._issue("all_gather (as broadcasts)", lambda: [
+            dist.broadcast(out[src], src, group=pg, async_op=async_op) for src in range(self.world)
+        ])  # fmt: skip
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
         """out = sum over ranks of their x[rank]; x is [N, *out.shape]."""
+        pg = self.pg
         if not self.mem_saving:
-            work = _reduce_scatter_single(out, x.contiguous().flatten(0, 1), async_op=async_op)
-            return _Works([work])
-        scratch = BUFFERS.get("scratch", tuple(out.shape), out)
-        for dst in range(self.world):
-            scratch.copy_(x[dst])
-            dist.reduce(scratch, dst)
-            if dst == self.rank:
-                out.copy_(scratch)
-        return _Works()
+            flat = x.contiguous().flatten(0, 1)
+            return self._issue("reduce_scatter", lambda: [
+                _reduce_scatter_single(out, flat, group=pg, async_op=async_op)
+            ])  # fmt: skip
+
+        def reduces() -> list[Any]:
+            scratch = BUFFERS.get("scratch", tuple(out.shape), out)
+            for dst in range(self.world):
+                scratch.copy_(x[dst])
+                dist.reduce(scratch, dst, group=pg)
+                if dst == self.rank:
+                    out.copy_(scratch)
+            return []
+
+        return self._issue("reduce_scatter (as reduces)", reduces)
 
     def all_reduce(self, x: torch.Tensor, async_op: bool = False) -> _Works:
-        return _Works([dist.all_reduce(x, async_op=async_op)])
+        pg = self.pg
+        return self._issue("all_reduce", lambda: [dist.all_reduce(x, group=pg, async_op=async_op)])
 
 
 def _split_seq(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -150,34 +317,37 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: Collectives) -> torch.Tenso
     return out
 
 
-def gather_shards(x: torch.Tensor) -> list[torch.Tensor]:
+def gather_shards(x: torch.Tensor, group: str | None = None) -> list[torch.Tensor]:
     """Every rank's `x` (same shape on all), in rank order: consolidating parameter shards."""
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, x.contiguous())
+    comm = Collectives(group=group)
+    out = [torch.empty_like(x) for _ in range(comm.world)]
+    with guard("all_gather of a parameter's shards (state_dict)", group):
+        dist.all_gather(out, x.contiguous(), group=comm.pg)
     return out
 
 
 # -- the boundary functions (Megatron's f and g, and their sequence-parallel cousins) -------------
+# Each takes the Collectives of its call (mode and group) and uses them again in backward.
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, mem_saving):
-        ctx.mem_saving = mem_saving
+    def forward(ctx, x, comm):
+        ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        Collectives(ctx.mem_saving).all_reduce(grad).wait()
+        ctx.comm.in_backward().all_reduce(grad).wait()
         return grad, None
 
 
 class _AllReduceForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, mem_saving):
+    def forward(ctx, x, comm):
         out = x.clone()
-        Collectives(mem_saving).all_reduce(out).wait()
+        comm.all_reduce(out).wait()
         return out
 
     @staticmethod
@@ -187,81 +357,89 @@ class _AllReduceForward(torch.autograd.Function):
 
 class _ScatterToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, mem_saving):
-        comm = Collectives(mem_saving)
-        ctx.dim, ctx.mem_saving = dim, mem_saving
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
         return x.chunk(comm.world, dim)[comm.rank].contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.dim, Collectives(ctx.mem_saving)), None, None
+        return _gather(grad.contiguous(), ctx.dim, ctx.comm.in_backward()), None, None
 
 
 class _GatherFromSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, mem_saving):
-        ctx.dim, ctx.mem_saving = dim, mem_saving
-        return _gather(x, dim, Collectives(mem_saving))
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _gather(x, dim, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        comm = Collectives(ctx.mem_saving)
+        comm = ctx.comm
         return grad.chunk(comm.world, ctx.dim)[comm.rank].contiguous(), None, None
 
 
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, mem_saving):
-        ctx.dim, ctx.mem_saving = dim, mem_saving
-        return _gather(x, dim, Collectives(mem_saving))
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _gather(x, dim, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, Collectives(ctx.mem_saving)), None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.comm.in_backward()), None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, mem_saving):
-        ctx.dim, ctx.mem_saving = dim, mem_saving
-        return _reduce_scatter(x, dim, Collectives(mem_saving))
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _reduce_scatter(x, dim, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.dim, Collectives(ctx.mem_saving)), None, None
+        return _gather(grad.contiguous(), ctx.dim, ctx.comm.in_backward()), None, None
 
 
-def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False) -> torch.Tensor:
+def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
     """Identity forward, all-reduce backward (Megatron's f): a replicated tensor read by
-    rank-local work (a column linear's input; a norm weight on a sequence shard)."""
-    return _GradAllReduce.apply(x, mem_saving)
+    rank-local work (a column linear's input; a norm weight on a sequence shard). `group` is
+    a key from `new_group` (None: the default group), as for every function here."""
+    return _GradAllReduce.apply(x, Collectives(mem_saving, group, "grad_all_reduce"))
 
 
-def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False) -> torch.Tensor:
+def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
     """All-reduce forward, identity backward (Megatron's g)."""
-    return _AllReduceForward.apply(x, mem_saving)
+    return _AllReduceForward.apply(x, Collectives(mem_saving, group, "all_reduce_forward"))
 
 
-def scatter_to_seq(x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False):
+def scatter_to_seq(
+    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
+):
     """A replicated tensor -> this rank's sequence slice; backward all-gathers the slices."""
-    return _ScatterToSeq.apply(x, dim, mem_saving)
+    return _ScatterToSeq.apply(x, dim, Collectives(mem_saving, group, "scatter_to_seq"))
 
 
-def gather_from_seq(x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False):
+def gather_from_seq(
+    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
+):
     """Sequence slices -> the full tensor for replicated work; backward keeps the own slice
     (every rank holds the same gradient of a replicated result)."""
-    return _GatherFromSeq.apply(x, dim, mem_saving)
+    return _GatherFromSeq.apply(x, dim, Collectives(mem_saving, group, "gather_from_seq"))
 
 
-def all_gather_seq(x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False):
+def all_gather_seq(
+    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
+):
     """Sequence slices -> the full tensor for sharded work; backward reduce-scatters (it is
     2x wrong when what reads the result is replicated: use gather_from_seq there)."""
-    return _AllGatherSeq.apply(x, dim, mem_saving)
+    return _AllGatherSeq.apply(x, dim, Collectives(mem_saving, group, "all_gather_seq"))
 
 
-def reduce_scatter_seq(x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False):
+def reduce_scatter_seq(
+    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
+):
     """Partial sums -> this rank's summed sequence slice; backward all-gathers."""
-    return _ReduceScatterSeq.apply(x, dim, mem_saving)
+    return _ReduceScatterSeq.apply(x, dim, Collectives(mem_saving, group, "reduce_scatter_seq"))
 
 
 # -- linears --------------------------------------------------------------------------------------
@@ -292,13 +470,12 @@ class _ColumnLinear(torch.autograd.Function):
     sequence slice: all-gather, linear; backward reduce-scatters grad_input."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sp, async_comm, recompute, mem_saving, transposed):
-        ctx.opts = (sp, async_comm, recompute, mem_saving, transposed)
+    def forward(ctx, x, weight, bias, sp, async_comm, recompute, comm, transposed):
+        ctx.opts = (sp, async_comm, recompute, comm, transposed)
         ctx.has_bias = bias is not None
         if not sp:
             ctx.save_for_backward(x, weight)
             return _matmul(x, weight, bias, transposed)
-        comm = Collectives(mem_saving)
         n, rank = comm.world, comm.rank
         x = x.contiguous()
         shape = (n, *x.shape)
@@ -320,9 +497,9 @@ class _ColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        sp, async_comm, recompute, mem_saving, transposed = ctx.opts
+        sp, async_comm, recompute, comm, transposed = ctx.opts
         saved, weight = ctx.saved_tensors
-        comm = Collectives(mem_saving)
+        comm = comm.in_backward()
         w = _wt(weight, transposed)  # [in, out]
         if not sp:
             gx = torch.matmul(grad, w.t())
@@ -357,11 +534,10 @@ class _RowLinear(torch.autograd.Function):
     rank sees only its slice's bias gradient, so that gradient is all-reduced."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sp, async_comm, mem_saving, transposed):
-        ctx.opts = (sp, async_comm, mem_saving, transposed)
+    def forward(ctx, x, weight, bias, sp, async_comm, comm, transposed):
+        ctx.opts = (sp, async_comm, comm, transposed)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        comm = Collectives(mem_saving)
         if not sp:
             y = _matmul(x, weight, None, transposed)
             comm.all_reduce(y).wait()
@@ -373,10 +549,10 @@ class _RowLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        sp, async_comm, mem_saving, transposed = ctx.opts
+        sp, async_comm, comm, transposed = ctx.opts
         x, weight = ctx.saved_tensors
         w = _wt(weight, transposed)  # [in, out]
-        comm = Collectives(mem_saving)
+        comm = comm.in_backward()
         grad = grad.contiguous()
         if not sp:
             gx = torch.matmul(grad, w.t())
@@ -413,12 +589,14 @@ def column_linear(
     recompute: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
+    group: str | None = None,
 ) -> torch.Tensor:
     """x @ W_r^T + b_r for this rank's output features W_r (transposed: W_r is [in, out], the
     Conv1D layout). With sequence_parallel, x is this rank's sequence slice [..., S/N, in]
-    and the result covers the whole sequence [..., S, out/N]."""
+    and the result covers the whole sequence [..., S, out/N]. `group`: a `new_group` key."""
+    comm = Collectives(mem_saving, group, "column_linear")
     return _ColumnLinear.apply(
-        x, weight, bias, sequence_parallel, async_comm, recompute, mem_saving, transposed
+        x, weight, bias, sequence_parallel, async_comm, recompute, comm, transposed
     )
 
 
@@ -431,7 +609,9 @@ def row_linear(
     async_comm: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
+    group: str | None = None,
 ) -> torch.Tensor:
     """sum over ranks of x_r @ W_r^T, plus b once. x holds this rank's input features. With
     sequence_parallel the result is this rank's sequence slice [..., S/N, out]."""
-    return _RowLinear.apply(x, weight, bias, sequence_parallel, async_comm, mem_saving, transposed)
+    comm = Collectives(mem_saving, group, "row_linear")
+    return _RowLinear.apply(x, weight, bias, sequence_parallel, async_comm, comm, transposed)

@@ -378,3 +378,12 @@ def test_an_autocast_block_is_checkpointed_with_the_block_it_starts():
     calls = region_calls(engine.program.graph_module)
     assert [region.meta[REGION_KEY] for _, region in calls] == ["h.0", "h.1", "h.2"]
     assert all("wrap_with_autocast" in region.code for _, region in calls)
+
+
+def test_auto_warns_when_its_budget_cannot_be_met():
+    """Said only in the decision's summary before: a user never saw it."""
+    from fxstar.engine import compile
+
+    with pytest.warns(UserWarning, match=r"activation_memory 1KiB cannot be met"):
+        compile(tiny_gpt(), Plan(checkpoint="auto", activation_memory="1KiB"),
+                example_inputs=tokens())  # fmt: skip

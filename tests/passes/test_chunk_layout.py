@@ -1,12 +1,41 @@
-"""chunk_layout: first-use order, ties stored once, frozen chunks apart, the auto size search."""
+"""chunk_layout: first-use order, ties stored once, frozen chunks apart, the auto size search,
+the smallest device_memory a plan works with, and device_memory='auto'."""
+
+import copy
+import dataclasses
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import activation_budget, tiny_gpt, tokens
+from conftest import (
+    activation_budget,
+    assert_same_step,
+    example,
+    hf_gpt2,
+    hf_llama,
+    tiny_gpt,
+    tokens,
+)
 
+from fxstar.capture import capture
 from fxstar.engine import compile
-from fxstar.passes.chunk_layout import LAYOUT_KEY, ChunkLayoutError, nonmodel_peak
-from fxstar.plan import Plan
+from fxstar.passes import PassManager, passes_for
+from fxstar.passes.chunk_layout import (
+    BUDGET_KEY,
+    LAYOUT_KEY,
+    NEED_KEY,
+    ChunkLayoutError,
+    ChunkLayoutPass,
+    auto_budget,
+    candidate_layouts,
+    chunked_params,
+    make_layout,
+    measure,
+    pack,
+)
+from fxstar.passes.chunk_schedule import PLAN_KEY, AccessForecast, ChunkSchedule, ChunkScheduleError
+from fxstar.plan import Plan, PlanError
 
 
 def compiled(model, **plan):
@@ -36,14 +65,15 @@ def test_first_use_order_and_ties_stored_once():
     assert "chunk 0: " in layout.describe() and "wte.weight" in layout.describe()
 
 
-def test_auto_size_holds_the_largest_and_fits_the_share():
+def test_auto_size_holds_the_largest_and_leaves_room_for_one_more_chunk():
     budget = roomy()
     engine = compiled(tiny_gpt(), device_memory=budget)
     layout = engine.program.meta[LAYOUT_KEY]
     largest = max(p.numel() for p in tiny_gpt().parameters())
     assert layout.chunk_size >= largest
-    share = budget - nonmodel_peak(engine.program)
-    assert 2 * layout.chunk_bytes <= share
+    plan = engine.program.meta[PLAN_KEY]
+    for pinned, nonmodel in zip(plan.pinned_at_once, plan.nonmodel_bytes, strict=True):
+        assert (pinned + 1) * layout.chunk_bytes <= budget - nonmodel
 
 
 def test_frozen_parameters_get_chunks_without_gradient_space():
@@ -161,3 +191,185 @@ def test_auto_size_leaves_hybrid_adam_chunks_it_can_keep():
     engine(*batch).backward()
     engine.step()
     assert engine.optimizer.device_chunks
+
+
+# -- the auto search against every chunk size, and the smallest device_memory -----------------
+
+FACTORIES = {"gpt": tiny_gpt, "gpt2": hf_gpt2, "llama": hf_llama}
+SMALLEST = re.compile(r"smallest device_memory for this plan is \S+ \(([\d,]+) bytes\)")
+
+
+def smallest_in(error: Exception) -> int:
+    return int(SMALLEST.search(str(error)).group(1).replace(",", ""))
+
+
+def prepared(kind: str, plan: Plan):
+    """The program as chunk_layout gets it under `plan`: captured, the plan's other passes run,
+    activations measured on the result."""
+    inputs = example(kind, *tokens())
+    program = capture(FACTORIES[kind](), inputs.get("example_inputs", ()),
+                      inputs.get("example_kwargs"), plan=plan)  # fmt: skip
+    names = [n for n in PassManager(passes_for(plan)).names if not n.startswith("chunk_")]
+    program = PassManager(names).run(program)
+    measure(program)
+    program.record("shape_memory")
+    return program
+
+
+def copied(program, plan: Plan, **meta):
+    """A copy the chunk passes may rewrite, under `plan`."""
+    return dataclasses.replace(
+        program, plan=plan, graph_module=copy.deepcopy(program.graph_module),
+        inputs=list(program.inputs), params=[dataclasses.replace(p) for p in program.params],
+        meta={**program.meta, **meta}, stages=list(program.stages), shared={},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("gpt", {"checkpoint": "blocks", "offload_activations": True}),
+        ("gpt", {"cpu_embedding": True, "tiled_linear": {"in_splits": 2, "min_size": 1024}}),
+        ("llama", {"checkpoint": "blocks"}),
+    ],
+    ids=["gpt-offload", "gpt-host-embedding-tiles", "llama-blocks"],
+)
+def test_the_search_sees_the_access_plan_chunk_schedule_makes(kind, options):
+    """The search judges every candidate layout by AccessForecast, which follows chunk_schedule
+    without rewriting: for each of them it must be the plan the pass really makes."""
+    plan = Plan(**options)
+    program = prepared(kind, plan)
+    forecast = AccessForecast(program)
+    for layout in candidate_layouts(chunked_params(program)):
+        scheduled = ChunkSchedule()(copied(program, plan, **{LAYOUT_KEY: layout}))
+        assert forecast.plan(layout) == scheduled.meta[PLAN_KEY], layout.chunk_size
+
+
+def least_sizes(params) -> list[int]:
+    """Brute force over every chunk size from the largest parameter to all of them: the least
+    size of each distinct packing (a larger size packing the same way only needs more)."""
+    largest, total = max(p.numel for p in params), sum(p.numel for p in params)
+    least: dict[tuple, int] = {}
+    for size in range(largest, total + 1):
+        least.setdefault(tuple(tuple(p.name for p, _ in c) for c in pack(params, size)), size)
+    return sorted(least.values())
+
+
+def fits(plan: Plan, access, chunk_bytes: int, budget: int) -> bool:
+    """The definition, written out apart from the code under test: at every access the chunks
+    pinned together fit the static share, or the budget less the activations there."""
+    for pinned, nonmodel in zip(access.pinned_at_once, access.nonmodel_bytes, strict=True):
+        share = (int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition
+                 else budget - nonmodel)  # fmt: skip
+        if pinned * chunk_bytes > share:
+            return False
+    return True
+
+
+def least_budget(plan: Plan, access, chunk_bytes: int) -> int:
+    lo, hi = 0, 1
+    while not fits(plan, access, chunk_bytes, hi):
+        hi *= 2
+    while lo < hi:  # fits() is monotone in the budget
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(plan, access, chunk_bytes, mid) else (mid + 1, hi)
+    return lo
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("gpt", {"static_partition": True, "checkpoint": "blocks"}),
+        ("gpt2", {"checkpoint": "blocks"}),
+        ("llama", {"static_partition": True, "checkpoint": "blocks"}),
+    ],
+    ids=["gpt-static-blocks", "gpt2-blocks", "llama-static-blocks"],
+)
+def test_auto_finds_a_size_that_fits_whenever_one_does(kind, options):
+    """Every distinct packing gets chunk_schedule's real access plan; a budget has a size that
+    fits iff it reaches the least of their least budgets. At and just below several of those,
+    auto must compile exactly when some size fits, and its error names that least budget. A
+    recomputation pins all of its region's chunks at once: the old search (two chunks per op
+    plus one) chose sizes that did not fit while others did."""
+    plan = Plan(device_memory="100%", **options)
+    program = prepared(kind, plan)
+    params = chunked_params(program)
+    needs = {}
+    for size in least_sizes(params):
+        layout = make_layout(params, size)
+        scheduled = ChunkSchedule()(
+            copied(program, plan.replace(device_memory=None), **{LAYOUT_KEY: layout})
+        )
+        needs[size] = least_budget(plan, scheduled.meta[PLAN_KEY], layout.chunk_bytes)
+    edges = sorted(set(needs.values()))
+    smallest = edges[0]
+    for edge in [*edges[:: max(1, len(edges) // 5)], edges[-1]]:
+        for budget in (edge - 1, edge):
+            under = plan.replace(device_memory=budget)
+            if budget < smallest:
+                with pytest.raises(ChunkLayoutError) as error:
+                    ChunkLayoutPass()(copied(program, under))
+                assert smallest_in(error.value) == smallest
+                continue
+            done = ChunkSchedule()(ChunkLayoutPass()(copied(program, under)))
+            layout = done.meta[LAYOUT_KEY]
+            assert fits(under, done.meta[PLAN_KEY], layout.chunk_bytes, budget), (budget, layout)
+            assert done.meta[NEED_KEY].device_memory == smallest
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({}, ChunkLayoutError),
+        ({"checkpoint": "blocks", "static_partition": True}, ChunkLayoutError),
+        ({"chunk_size": 4096}, ChunkScheduleError),
+    ],
+    ids=["auto-size", "static-blocks", "explicit-size"],
+)
+def test_the_smallest_device_memory_it_prints_works_and_one_byte_less_does_not(options, error):
+    with pytest.raises(error) as too_small:
+        compiled(tiny_gpt(), device_memory=100_000, **options)
+    smallest = smallest_in(too_small.value)
+    assert smallest > 100_000 and not re.search(r"-\d", str(too_small.value))
+    eager, model = tiny_gpt(), tiny_gpt()
+    engine = compiled(model, device_memory=smallest, **options)
+    engine.chunks.checking = True
+    for step in range(2):
+        assert_same_step("gpt", eager, engine, step)
+        eager.zero_grad()
+        engine.zero_grad()
+    with pytest.raises(error) as short:
+        compiled(tiny_gpt(), device_memory=smallest - 1, **options)
+    assert smallest_in(short.value) == smallest
+
+
+def test_device_memory_auto_is_the_smallest_that_works():
+    plan = Plan(device_memory="auto", checkpoint="blocks")
+    assert Plan.from_json(plan.to_json()).device_memory == "auto"
+    with pytest.raises(PlanError, match="'auto' depends on the compiled graph"):
+        plan.resolve_size("device_memory", 1000)
+    with pytest.raises(PlanError, match="or 'auto'"):
+        Plan(device_memory="automatic")
+    eager, model = tiny_gpt(), tiny_gpt()
+    engine = compile(model, plan, tokens())
+    smallest = engine.program.meta[NEED_KEY].device_memory
+    assert engine.program.shared[BUDGET_KEY] == engine.chunks.budget == smallest
+    engine.chunks.checking = True
+    for step in range(2):
+        assert_same_step("gpt", eager, engine, step)
+        eager.zero_grad()
+        engine.zero_grad()
+    with pytest.raises(ChunkLayoutError):
+        compile(tiny_gpt(), plan.replace(device_memory=smallest - 1), tokens())
+
+
+def test_device_memory_auto_on_cuda_is_its_capacity_times_overall_gpu_mem_ratio(monkeypatch):
+    program = prepared("gpt", Plan(device_memory="auto"))
+    cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(program, "model_tensors", lambda: dict.fromkeys(
+        (p.name for p in program.params), cuda))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=10 * 2**20))  # fmt: skip
+    ChunkLayoutPass()(program)
+    assert program.shared[BUDGET_KEY] == int(10 * 2**20 * 0.8)
+    assert auto_budget(program, program.meta[NEED_KEY]) == program.shared[BUDGET_KEY]

@@ -8,6 +8,7 @@ setting serves all of them (one compile per model also comes straight from the p
 """
 
 import itertools
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import fxstar
 from fxstar.capture import capture
 from fxstar.dist_launch import spawn
 from fxstar.passes import PassManager, passes_for
+from fxstar.passes.tp_rules import Call, Refusal, Shard, rule_for
 from fxstar.passes.tp_sharding import META_KEY, TPShardingError
 from fxstar.plan import Plan
 from fxstar.runtime import dist as tp
@@ -63,10 +65,88 @@ def _inputs(name: str):
     return (), {"input_ids": ids, "labels": targets}
 
 
+class LossOf(torch.nn.Module):
+    """A transformers model's loss only. With use_cache=True (the default) the model still
+    builds a DynamicCache and cats every layer's keys and values onto its empty tensors, but
+    capture cannot return the cache object (CaptureError, whose hint says use_cache=False)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+def _default_config(name: str, **small):
+    """A transformers config with small sizes and every other field at its default (use_cache
+    True), except dropout 0: the oracle's single dropout mask cannot match the ranks' masks."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, name)(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+                                         **small)  # fmt: skip
+    assert config.use_cache
+    return config
+
+
+def gpt2_default(seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    config = _default_config("GPT2Config", n_positions=SEQ * 2, n_embd=32, n_layer=2, n_head=4,
+                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(seed)
+    return LossOf(transformers.GPT2LMHeadModel(config))
+
+
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "max_position_embeddings": SEQ * 2}  # fmt: skip
+
+
+def llama_default(seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    config = _default_config("LlamaConfig", num_key_value_heads=2, pad_token_id=0, **SMALL)
+    torch.manual_seed(seed)
+    return LossOf(transformers.LlamaForCausalLM(config))
+
+
+def gpt_neox(seed: int = 0) -> torch.nn.Module:
+    """Pythia's layout: query_key_value's output rows are grouped per head ([q k v] of head 0,
+    then of head 1, ...), viewed as [.., heads, 3 * head_dim] and chunked on the last dim."""
+    import transformers
+
+    config = _default_config("GPTNeoXConfig", **SMALL)
+    assert config.hidden_dropout == config.attention_dropout == 0.0
+    torch.manual_seed(seed)
+    return LossOf(transformers.GPTNeoXForCausalLM(config))
+
+
+def qwen3(seed: int = 0) -> torch.nn.Module:
+    """A per-head RMSNorm on q and k: a replicated weight read by head-split work."""
+    import transformers
+
+    config = _default_config("Qwen3Config", num_key_value_heads=2, head_dim=8, pad_token_id=0,
+                             **SMALL)  # fmt: skip
+    torch.manual_seed(seed)
+    return LossOf(transformers.Qwen3ForCausalLM(config))
+
+
+def phi3(seed: int = 0) -> torch.nn.Module:
+    """Fused q/k/v cut by three slices, fused gate/up by a chunk: parts of one linear."""
+    import transformers
+
+    config = _default_config("Phi3Config", pad_token_id=0, **SMALL)
+    torch.manual_seed(seed)
+    return LossOf(transformers.Phi3ForCausalLM(config))
+
+
+DEFAULTS = {"gpt2_default": gpt2_default, "llama_default": llama_default,
+            "gpt_neox": gpt_neox, "qwen3": qwen3, "phi3": phi3}  # fmt: skip
+
+
 def _make(name: str, world: int) -> torch.nn.Module:
     if name == "llama":
         return llama(kv_heads=world)  # kv heads split too: 2 (GQA) at world size 2
-    return {"gpt": gpt, "gpt2": gpt2}[name]()
+    return {"gpt": gpt, "gpt2": gpt2, **DEFAULTS}[name]()
 
 
 def _loss(out):
@@ -133,6 +213,202 @@ def test_a_model_that_cannot_be_split_names_the_node_and_the_rule():
     plan = Plan(tensor_parallel={"size": 2, "rules": {"h.*.attn.c_attn": "replicate"}})
     with pytest.raises(TPShardingError, match=r"row-parallel linear at h.0.attn.c_proj needs"):
         _analyse(gpt(), args, kwargs, plan)
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+def _carry(fn, shapes, shards: dict[int, Shard], op: str, n: int = 2):
+    """(rule name, what it decides) for the first `op` node of `fn` exported on tensors of
+    `shapes`, with the inputs numbered in `shards` split across n ranks."""
+    inputs = tuple(torch.randn(shape) for shape in shapes)
+    exported = torch.export.export(_Fn(fn), inputs, strict=False)
+    nodes = {node.name: node for node in exported.graph.nodes}
+    xs = [nodes[name] for name in exported.graph_signature.user_inputs]
+    node = next(node for node in nodes.values() if rule_for(node)[0] == op)
+    name, rule = rule_for(node)
+    return name, rule(Call(node, n, {xs[i]: s for i, s in shards.items()}))
+
+
+BHSD = (2, 4, 8, 8)  # batch, heads, seq, head_dim
+S1 = {0: Shard(1)}  # the first input split by heads
+RULE_CASES = {
+    # (fn, input shapes, split inputs, rule, expected split, expected per-rank args[1:] or None)
+    "view splits features into heads": (lambda x: x.view(2, 8, 4, 8), [(2, 8, 32)],
+        {0: Shard(2)}, "view", Shard(2), ([2, 8, 2, 8],)),
+    "view merges heads back": (lambda x: x.reshape(2, 8, 32), [(2, 8, 4, 8)], {0: Shard(2)},
+        "view", Shard(2), ([2, 8, 16],)),
+    "view of interleaved fused qkv gets heads/N": (lambda x: x.view(2, 8, 4, 24),
+        [(2, 8, 96)], {0: Shard(2)}, "view", Shard(2), ([2, 8, 2, 24],)),
+    "view keeps fused parts on an untouched dim": (lambda x: x.view(16, 96), [(2, 8, 96)],
+        {0: Shard(2, 3)}, "view", Shard(1, 3), ([16, 48],)),
+    "transpose": (lambda x: x.transpose(1, 2), [BHSD], S1, "transpose", Shard(2), None),
+    "permute": (lambda x: x.permute(0, 2, 3, 1), [BHSD], S1, "permute", Shard(3), None),
+    "unsqueeze": (lambda x: x.unsqueeze(0), [BHSD], S1, "unsqueeze", Shard(2), None),
+    "expand per-rank sizes": (lambda x: x.expand(2, 4, 2, 8, 8), [(2, 4, 1, 8, 8)], S1,
+        "expand", Shard(1), ([2, 2, 2, 8, 8],)),
+    "chunk another dim (GPT-NeoX q/k/v)": (lambda x: x.chunk(3, -1), [(2, 4, 8, 24)], S1,
+        "split", Shard(1), None),
+    "chunk fused parts": (lambda x: x.chunk(3, -1), [(2, 8, 96)], {0: Shard(2, 3)}, "split",
+        Shard(2), None),
+    "split fused parts": (lambda x: x.split(32, 2), [(2, 8, 96)], {0: Shard(2, 3)}, "split",
+        Shard(2), (16, 2)),
+    "split_with_sizes fused parts": (lambda x: x.split([32, 32, 32], 2), [(2, 8, 96)],
+        {0: Shard(2, 3)}, "split", Shard(2), ([16, 16, 16], 2)),
+    "slice another dim (partial rotary)": (lambda x: x[..., :2], [BHSD], S1, "slice",
+        Shard(1), None),
+    "slice one fused part": (lambda x: x[..., 32:64], [(2, 8, 96)], {0: Shard(2, 3)}, "slice",
+        Shard(2), (2, 16, 32)),
+    "select another dim": (lambda x: x[:, :, 0], [BHSD], S1, "select", Shard(1), None),
+    "cat along another dim": (lambda a, b: torch.cat([a, b], -1), [BHSD, BHSD],
+        {0: Shard(1), 1: Shard(1)}, "cat", Shard(1), None),
+    "cat onto the empty training cache": (lambda k: torch.cat([torch.tensor([]), k], -2),
+        [BHSD], S1, "cat", Shard(1), None),
+    "cat onto an empty [B, H, 0, D] cache drops it": (lambda k, e: torch.cat([e, k], -2),
+        [BHSD, (2, 4, 0, 8)], S1, "cat", Shard(1), (-2,)),
+    "elementwise with a broadcast operand (rotary)": (lambda x, c: x * c, [BHSD, (1, 1, 8, 8)],
+        S1, "elementwise", Shard(1), None),
+    "mean over another dim": (lambda x: x.mean(-1, keepdim=True), [BHSD], S1, "reduction",
+        Shard(1), None),
+    "sum dropping a dim before the split": (lambda x: x.sum(0), [BHSD], S1, "reduction",
+        Shard(0), None),
+    "softmax over another dim": (lambda x: x.softmax(-1), [BHSD], S1, "softmax", Shard(1), None),
+    "layer_norm over head_dim": (lambda x: torch.nn.functional.layer_norm(x, [8]), [BHSD], S1,
+        "norm", Shard(1), None),
+    "attention by heads": (lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True), [BHSD] * 3, {0: Shard(1), 1: Shard(1), 2: Shard(1)},
+        "attention", Shard(1), None),
+    "matmul batched over heads": (lambda a, b: a @ b, [BHSD, BHSD], {0: Shard(1), 1: Shard(1)},
+        "matmul", Shard(1), None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", RULE_CASES)
+def test_rule_carries_the_split(case):
+    fn, shapes, shards, op, expected, args = RULE_CASES[case]
+    name, carried = _carry(fn, shapes, shards, op)
+    assert (name, carried.shard) == (op, expected)
+    if args is None:
+        assert carried.args is None
+    else:
+        assert tuple(carried.args[1:]) == args
+    if case.startswith("cat onto an empty [B"):
+        assert [t.name for t in carried.args[0]] == ["xs_0"]  # the empty operand left out
+
+
+REFUSALS = {
+    # (fn, shapes, split inputs, rule, the reason's words)
+    "view mixing ranks' heads": (lambda x: x.reshape(8, 8, 8), [BHSD], S1, "view",
+        "does not keep each rank's slice whole"),
+    "view reshaping fused parts": (lambda x: x.view(2, 8, 12, 8), [(2, 8, 96)],
+        {0: Shard(2, 3)}, "view", "not cut into its 3 parts"),
+    "squeeze of a per-rank size-1 dim": (lambda x: x.squeeze(1), [(2, 2, 8, 8)], S1,
+        "squeeze", "of size 1 on each rank"),
+    "split the split dim": (lambda x: x.split(16, 2), [(2, 8, 32)], {0: Shard(2)}, "split",
+        "cuts the split dim 2 into 2 pieces"),
+    "slice part of the split dim": (lambda x: x[:, :2], [BHSD], S1, "slice",
+        r"takes \[0:2:1\] of the split dim 1"),
+    "select on the split dim": (lambda x: x[:, 0], [BHSD], S1, "select",
+        "picks one index of the split dim 1"),
+    "cat along the split dim": (lambda a, b: torch.cat([a, b], 1), [BHSD, BHSD],
+        {0: Shard(1), 1: Shard(1)}, "cat", "concatenates along the split dim 1"),
+    "cat with a non-empty unsplit tensor": (lambda a, b: torch.cat([a, b], -2), [BHSD, BHSD],
+        S1, "cat", r"unsplit xs_1 \[2, 4, 8, 8\]"),
+    "elementwise with an unsplit full operand": (lambda x, y: x + y, [BHSD, BHSD], S1,
+        "elementwise", r"unsplit xs_1 \[2, 4, 8, 8\] along dim 1"),
+    "elementwise of splits on different dims": (lambda x, y: x + y, [BHSD, BHSD],
+        {0: Shard(1), 1: Shard(2)}, "elementwise", "different dims"),
+    "sum over the split dim": (lambda x: x.sum(1), [BHSD], S1, "reduction",
+        "reduces over the split dim 1"),
+    "softmax over the split dim": (lambda x: x.softmax(1), [BHSD], S1, "softmax",
+        "normalises along the split dim 1"),
+    "layer_norm over the split dim": (lambda x: torch.nn.functional.layer_norm(x, [32]),
+        [(2, 8, 32)], {0: Shard(2)}, "norm", "normalises over the split dim 2"),
+    "attention mask with a head dim": (lambda q, k, v, m:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, m), [BHSD] * 4,
+        {0: Shard(1), 1: Shard(1), 2: Shard(1)}, "attention", "mask .* has a head dim"),
+    "attention with unsplit values": (lambda q, k, v:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v), [BHSD] * 3,
+        {0: Shard(1), 1: Shard(1)}, "attention", "not all split by heads"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_rule_refuses_with_a_reason(case):
+    fn, shapes, shards, op, words = REFUSALS[case]
+    with pytest.raises(Refusal, match=words):
+        _carry(fn, shapes, shards, op)
+
+
+def test_default_configs_cache_cat_interleaved_qkv_and_qk_norm_decisions():
+    """use_cache=True: every k/v path cats onto the cache's empty tensor; GPT-NeoX's fused
+    query_key_value is one part (whole heads per rank); Qwen3's q/k norm weights get summed
+    gradients; Phi-3's fused projections are cut into parts by slices and a chunk."""
+    pytest.importorskip("transformers")
+    args, kwargs = _inputs("gpt2_default")
+    plan = _plan(2, sp=False)
+    s = _analyse(gpt2_default(), args, kwargs, plan).meta[META_KEY]
+    cats = [name for name, rule in s.carried_by.items() if rule == "cat"]
+    assert len(cats) == 4 and all(s.sharded[c] == 1 and c not in s.args for c in cats)
+
+    program = _analyse(gpt_neox(), args, kwargs, plan)
+    s = program.meta[META_KEY]
+    qkv = s.sites[0]
+    assert qkv.module.endswith("layers.0.attention.query_key_value")
+    assert (qkv.style, qkv.parts) == ("column", 1)  # a contiguous split: whole heads per rank
+    assert s.sites[1].module.endswith("attention.dense") and s.sites[1].style == "row"
+    (view,) = (node for node in program.graph_module.graph.nodes if node.name == "view")
+    assert view.args[0].name == qkv.output and list(view.args[1]) == [2, SEQ, -1, 24]
+    assert s.sharded[view.name] == 2  # heads: 4 -> 2 per rank, each with its q, k and v
+    chunk = next(name for name, rule in s.carried_by.items() if name.startswith("chunk"))
+    assert (s.carried_by[chunk], s.sharded[chunk]) == ("split", 1)
+    assert "tp=split(dim=2, view)" in fxstar.dump(program)
+
+    s = _analyse(qwen3(), args, kwargs, plan).meta[META_KEY]
+    reduced = {e.producer for e in s.grad_reduces}
+    assert reduced == {f"p_model_model_layers_{i}_self_attn_{x}_norm_weight"
+                       for i in (0, 1) for x in "qk"}  # fmt: skip
+
+    s = _analyse(phi3(), args, kwargs, plan).meta[META_KEY]
+    assert [site.parts for site in s.sites[:4]] == [3, 1, 2, 1]  # qkv, o, gate_up, down
+    assert [s.args[f"slice_{i}"][2:] for i in (1, 2, 3)] == [(0, 16), (16, 32), (32, 48)]
+
+
+class _Heads(torch.nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(32, 32)
+        self.o_proj = torch.nn.Linear(32, 32)
+        self.op = op
+
+    def forward(self, x):
+        q = self.q_proj(x).view(2, SEQ, 4, 8)
+        return self.o_proj(self.op(q).reshape(2, SEQ, 32)).sum()
+
+
+def test_what_cannot_be_split_names_the_node_the_op_rule_and_the_plan_rule():
+    x = torch.randn(2, SEQ, 32)
+    plan = _plan(2, sp=False)
+    fix = r"fix: rules=\{'q_proj': 'replicate'\}"
+    cases = {
+        lambda q: torch.cat([q[:, :, :2], q[:, :, 2:]], 2):
+            r"node slice_1 .*rule 'slice' cannot carry the split: it takes \[0:2:1\] of the",
+        lambda q: torch.cumsum(q, 2): r"node cumsum .*it is cumsum, which tp_rules has no rule",
+        lambda q: q.softmax(2): r"node softmax .*rule 'softmax' cannot carry the split: it "
+                                r"normalises along the split dim 2",
+    }  # fmt: skip
+    for op, words in cases.items():
+        with pytest.raises(TPShardingError, match=f"(?s){words}.*{fix}"):
+            _analyse(_Heads(op), (x,), {}, plan)
+    with pytest.raises(TPShardingError, match=r"node output .*use_cache=False"):
+        returns_split = torch.nn.Sequential(OrderedDict(q_proj=torch.nn.Linear(32, 32)))
+        _analyse(returns_split, (x,), {}, plan)
 
 
 def test_the_rewrite_needs_a_process_group_of_the_planned_size():
@@ -237,6 +513,37 @@ def test_world_size_2_all_modes_match_single_process():
                      "scatter_embedding", "gather_layer_norm_4", "grad_reduce_",
                      "f32[2,16,48]", "f32[2,8,32]"):  # fmt: skip
         assert expected in text, expected
+
+
+def _defaults_worker(rank: int, world: int, names: list[str]) -> dict:
+    """Each model with and without sequence parallelism, in the default mode."""
+    torch.manual_seed(0)
+    failures: list[str] = []
+    dumps = {}
+    for name in names:
+        reference = _reference(name, world)
+        args, kwargs = _inputs(name)
+        for sp in (False, True):
+            engine = fxstar.compile(_make(name, world), _plan(world, sp), args, kwargs)
+            out = engine(*args, **kwargs)
+            _loss(out).backward()
+            _compare(engine, reference, out, f"{name} sp={sp}", failures)
+            if rank == 0 and not sp and name in ("gpt_neox", "qwen3"):
+                dumps[name] = fxstar.dump(engine)
+    return {"failures": failures, "dumps": dumps}
+
+
+def test_default_configs_match_single_process():
+    """transformers' defaults (use_cache=True), GPT-NeoX's interleaved fused q/k/v, Qwen3's
+    per-head q/k norms, Phi-3's sliced q/k/v and chunked gate/up: loss and consolidated
+    gradients equal the single-process model's."""
+    pytest.importorskip("transformers")
+    results = spawn(_defaults_worker, 2, list(DEFAULTS))
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:20])
+    dumps = results[0]["dumps"]
+    assert f"f32[2,{SEQ},2,24]" in dumps["gpt_neox"]  # [.., heads, 3 * head_dim]: 2 of 4 heads
+    assert "grad_reduce_p_model_model_layers_0_self_attn_q_norm_weight" in dumps["qwen3"]
 
 
 def _saved_by_columns(world: int, recompute: bool) -> dict[str, int]:

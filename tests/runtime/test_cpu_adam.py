@@ -107,8 +107,37 @@ def test_variant_can_be_forced_from_the_environment():
 
 
 def test_unknown_variant_is_refused():
-    with pytest.raises(ValueError, match="not available"):
+    valid = ", ".join(cpu_adam.available_variants())
+    with pytest.raises(ValueError, match=f"'avx9000' is not a kernel variant; valid on this CPU: "
+                       f"{valid}$"):  # fmt: skip
         cpu_adam.grad_stats(torch.ones(3), variant="avx9000")
+
+
+BOGUS_VARIANT = """
+import torch
+from fxstar.runtime import cpu_adam
+for call in (cpu_adam.selected_variant, lambda: cpu_adam.grad_stats(torch.ones(3))):
+    try:
+        call()
+    except ValueError as error:
+        print("refused:", error)
+print("named:", cpu_adam.grad_stats(torch.ones(3), variant="portable").sum_sq)
+"""
+
+
+def test_unknown_variant_in_the_environment_is_refused():
+    # was: silently the best variant (AVX-512 here), so a typo went unnoticed
+    env = dict(os.environ, FXSTAR_CPU_VARIANT="bogus")
+    run = subprocess.run([sys.executable, "-c", BOGUS_VARIANT], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    valid = ", ".join(cpu_adam.available_variants())
+    message = (
+        f"refused: FXSTAR_CPU_VARIANT: 'bogus' is not a kernel variant; valid on this CPU: "
+        f"{valid} (unset it to choose the best automatically)"
+    )
+    # every call that would use the default refuses, not only the first; a named one still works
+    assert run.stdout.splitlines() == [message, message, "named: 3.0"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
