@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for share, (engine, _, budget) in engines.items():
         manager = engine.chunks
-        plan = engine.program.meta[PLAN_KEY]
+        plan = engine.program.meta[PLAN_KEY].access
         chunk_bytes = manager.layout.chunk_bytes
         capacity = [manager.share(t) // chunk_bytes for t in range(len(plan))]
         manager._plan = plan  # share() reads the plan's per-moment bytes

@@ -31,7 +31,7 @@ from fxstar.errors import EngineStateError
 from fxstar.estimate import Estimate, estimate
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, load_builtins, passes_for
-from fxstar.passes.chunk_layout import LAYOUT_KEY, budget_bytes, check_chunk_options, static_share
+from fxstar.passes.chunk_layout import LAYOUT_KEY, check_chunk_options
 from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
@@ -39,7 +39,6 @@ from fxstar.plan import PlanError, mark_implemented
 from fxstar.program import EXPORT, Program
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
-from fxstar.runtime.arena import ALIGNMENT
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
@@ -47,6 +46,9 @@ from fxstar.sizes import format_size
 from fxstar.verify import Verifier
 
 __all__ = ["Engine", "compile"]
+
+OBSERVED_KEY = "chunk_plan.observed"  # Program.meta: what the traced step measured
+REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan is refined
 
 # the engine runs mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
 mark_implemented("precision", "loss_scale", "hybrid_adam", "margin_use_ratio")
@@ -114,11 +116,11 @@ class Engine(nn.Module):
         args, kwargs = self._compute_inputs(args, kwargs)
         self._check_model()
         program = self.prepare(*args, **kwargs)
-        plan = program.meta.get(PLAN_KEY)
-        if self.chunks is None or plan is None:
+        if self.chunks is None or PLAN_KEY not in program.meta:
             output = program.run(args, kwargs)
         else:
-            with self.chunks.running(plan):
+            self._refine_plans()
+            with self.chunks.running(program.meta[PLAN_KEY]):
                 output = program.run(args, kwargs)
         if self.traced is not self.model:
             self._mirror_buffers()
@@ -282,29 +284,26 @@ class Engine(nn.Module):
         tensors: Mapping[str, torch.Tensor],
         masters: Mapping[str, torch.Tensor] | None = None,
     ) -> ChunkManager:
-        plan = self.plan
-        layout = program.meta[LAYOUT_KEY]
-        nonmodel = max(program.meta[PLAN_KEY].nonmodel_bytes, default=0)
-        budget = budget_bytes(program)  # the budget the layout settled on ('auto' resolved)
-        device = next(iter(tensors.values())).device
-        static = None
-        if budget is None:
-            # mixed precision without a budget: every chunk stays resident, and activations
-            # (of any later capture, whatever its shapes) are not budgeted
-            block = -(-layout.chunk_bytes // ALIGNMENT) * ALIGNMENT  # the arena rounds blocks up
-            capacity = (len(layout.chunks) + 1) * block
-        else:
-            static = static_share(plan, budget)
-            # On a GPU the arena shares the card with activations, so it leaves them their
-            # peak; on CPU-only machines activations live elsewhere and the share is enforced
-            # per moment.
-            capacity = budget if device.type == "cpu" else budget - nonmodel
-        return ChunkManager(
-            layout, tensors, masters=masters, budget=budget, arena_capacity=capacity,
-            device=device, static_share=static, mem_cache=plan.mem_cache,
-            monitor=plan.async_mem_monitor,
-            overlap_grad_copies={"on": True, "off": False}.get(plan.overlap_grad_copies),
+        """The manager the program's ChunkPlan decides, with the plan's run-time knobs."""
+        return ChunkManager.from_plan(
+            program.meta[PLAN_KEY], tensors, masters=masters,
+            monitor=self.plan.async_mem_monitor,
+            overlap_grad_copies={"on": True, "off": False}.get(self.plan.overlap_grad_copies),
         )  # fmt: skip
+
+    def _refine_plans(self) -> None:
+        """After the first training step under a compiled ChunkPlan, the program follows a
+        plan made from what that step measured: a new object and a new stage of the program
+        ('chunk_plan_refined'), the compiled one left as it was decided."""
+        observation = self.chunks.observe()
+        if observation is None:
+            return
+        compiled, observed = observation
+        for program in self.programs.values():
+            if program.meta.get(PLAN_KEY) is compiled:
+                program.meta[PLAN_KEY] = compiled.refined(observed)
+                program.meta[OBSERVED_KEY] = observed
+                program.record(REFINED_STAGE)
 
     def _run_for_verify(self, program: Program, args: tuple, kwargs: dict, tensors: dict) -> Any:
         """plan.verify runs a chunked stage under a manager of its own, made from the
@@ -536,6 +535,10 @@ class Engine(nn.Module):
         lines.append(self._optimizer_line())
         if self.chunks is not None:
             lines.append(self.chunks.report())
+            lines.append(program.meta[PLAN_KEY].describe().splitlines()[0])
+            observed = program.meta.get(OBSERVED_KEY)
+            if observed is not None:
+                lines.append(f"observed in the first traced step: {observed.describe()}")
         if self.scaler is not None:
             lines.append(
                 f"fp16 loss scale {self.scaler.scale:g}; {self.scaler.skipped_steps} steps "

@@ -95,7 +95,7 @@ def estimate(program: Program) -> Estimate:
     (activations measured first if no shape_memory ran on the graph as it is)."""
     need = program.meta.get(NEED_KEY)
     if need is None and PLAN_KEY in program.meta:
-        need = budget_need(program.plan, program.meta[PLAN_KEY], program.meta[LAYOUT_KEY])
+        need = budget_need(program.plan, program.meta[PLAN_KEY].access, program.meta[LAYOUT_KEY])
     if need is None:
         measure(program)
         need = smallest_need(layout_needs(program))

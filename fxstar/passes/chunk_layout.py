@@ -247,6 +247,13 @@ def keep_bytes_per_element(program: Program, itemsize: int) -> int | None:
 
 def chunked_params(program: Program) -> list[ParamInfo]:
     params = [p for p in program.params if not p.host_resident]  # cpu_embedding keeps some out
+    if not params:
+        raise ChunkLayoutError(
+            "the chunk engine pages parameters, and this model has none the graph reads"
+            + (" outside cpu_embedding" if program.params else "")
+            + ": drop device_memory (and bf16/fp16, which keep their masters in chunks) from "
+            "the plan"
+        )
     dtypes = sorted({str(p.dtype) for p in params})
     if len(dtypes) != 1:
         raise ChunkLayoutError(f"chunks hold one dtype; the parameters have {dtypes}")

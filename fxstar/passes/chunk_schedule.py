@@ -34,14 +34,16 @@ from fxstar.passes.chunk_layout import (
     budget_bytes,
     budget_need,
     shown_budget,
+    static_share,
     uses_chunks,
 )
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
-from fxstar.runtime.layout import AccessPlan, ChunkLayout
+from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan
 
-PLAN_KEY = "chunk_plan"  # Program.meta key of the AccessPlan
+PLAN_KEY = "chunk_plan"  # Program.meta key of the ChunkPlan
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
 
 
@@ -388,10 +390,31 @@ class ChunkSchedule(Pass):
     def __call__(self, program: Program) -> Program:
         layout: ChunkLayout = program.meta[LAYOUT_KEY]
         original = rewrite(program, layout)
-        plan = access_plan(program.graph_module, layout, original)
-        check_budget(plan, layout, program)
-        program.meta[PLAN_KEY] = plan
+        access = access_plan(program.graph_module, layout, original)
+        check_budget(access, layout, program)
+        program.meta[PLAN_KEY] = chunk_plan(program, layout, access)
         return program
+
+
+def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> ChunkPlan:
+    """The room the chunks have, decided here once for the runtime to follow. On a GPU the
+    arena shares the card with activations, so it leaves them their peak; on a CPU-only
+    machine activations live elsewhere and the share is enforced per moment. Without a budget
+    (bf16/fp16 alone) every chunk stays resident and activations are not budgeted."""
+    budget = budget_bytes(program)
+    device = next(iter(program.model_tensors().values())).device
+    if budget is None:
+        block = -(-layout.chunk_bytes // ARENA_ALIGNMENT) * ARENA_ALIGNMENT  # blocks round up
+        capacity = (len(layout.chunks) + 1) * block
+    elif device.type == "cpu":
+        capacity = budget
+    else:
+        capacity = budget - max(access.nonmodel_bytes, default=0)
+    return ChunkPlan(
+        layout, access, budget, capacity,
+        static_share=None if budget is None else static_share(program.plan, budget),
+        device=str(device), mem_cache=program.plan.mem_cache,
+    )  # fmt: skip
 
 
 __all__ = ["PLAN_KEY", "AccessForecast", "ChunkSchedule", "ChunkScheduleError", "returns_alias"]

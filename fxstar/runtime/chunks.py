@@ -33,10 +33,11 @@ from torch import nn
 from fxstar.errors import FxstarError
 from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
 from fxstar.runtime.host import host_empty
-from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan, Observed, ParamSlot
 from fxstar.runtime.monitor import MemoryMonitor
 from fxstar.runtime.tracer import MemoryTracer
 
+PHASES = ["forward", "backward"]
 RECENT_STEPS = 1000  # training steps whose moved bytes ChunkStats keeps one by one
 
 
@@ -169,6 +170,7 @@ class ChunkManager:
         self._in_forward = False
         self.stats = ChunkStats()
         self.tracer = MemoryTracer()
+        self.planned_capacity = arena_capacity  # what the plan asked (the arena rounds it)
         self.arena = ArenaBuffer(arena_capacity, self.device)
         self.arena_elements = self.arena.buffer.view(layout.dtype)
         self._cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
@@ -178,7 +180,9 @@ class ChunkManager:
         self._node_pins: tuple[object | None, list[Chunk]] = (None, [])
         self._recompute_pins: tuple[object | None, list[Chunk]] = (None, [])
         self._recorded: list[tuple[int, str]] = []
-        self._refined: set[int] = set()  # id() of plans already refined by a traced step
+        self._plan_source: ChunkPlan | None = None  # the ChunkPlan the current step follows
+        self._observed: set[int] = set()  # id() of plans a traced step was observed for
+        self._overlapped = False  # this step began before the last one's backward ran
         self._step_bytes = 0
         self.reserved: list[int] = []  # arena blocks beside the chunks (fix()), by offset
         pin = self.device.type == "cuda"
@@ -324,9 +328,34 @@ class ChunkManager:
 
     # -- a step ---------------------------------------------------------------------------------
 
+    @classmethod
+    def from_plan(
+        cls, plan: ChunkPlan, params: dict[str, torch.Tensor], **options: object
+    ) -> ChunkManager:
+        """The manager a ChunkPlan decides: its layout, room and device; `options` are the
+        run-time knobs (masters, monitor, overlap_grad_copies, prefetch)."""
+        return cls(
+            plan.layout, params, budget=plan.budget, arena_capacity=plan.arena_capacity,
+            device=plan.device, static_share=plan.static_share, mem_cache=plan.mem_cache,
+            **options,
+        )  # fmt: skip
+
     @contextlib.contextmanager
-    def running(self, plan: AccessPlan) -> Iterator[None]:
-        """Around one forward: the plan it follows, and the hooks autograd saves through."""
+    def running(self, plan: ChunkPlan | AccessPlan) -> Iterator[None]:
+        """Around one forward: the plan it follows, and the hooks autograd saves through. A
+        ChunkPlan is read as it is now: a budget or share edited since compile is honoured."""
+        if isinstance(plan, ChunkPlan):
+            if plan.arena_capacity != self.planned_capacity:
+                raise ChunkBudgetError(
+                    f"the chunk plan asks for an arena of {plan.arena_capacity:,} bytes; this "
+                    f"engine's was made for {self.planned_capacity:,} and cannot change size: "
+                    "compile again to change device_memory (budget and static_share may be "
+                    "edited)"
+                )
+            self.budget, self.static_share = plan.budget, plan.static_share
+            self._plan_source, plan = plan, plan.access
+        else:
+            self._plan_source = None
         self._begin(plan)
         self._in_forward = True
         try:
@@ -335,10 +364,29 @@ class ChunkManager:
         finally:
             self._in_forward = False
 
+    def observe(self) -> tuple[ChunkPlan, Observed] | None:
+        """Once per compiled ChunkPlan, after the first training step that followed it: what
+        the step did (its real access order, the bytes besides chunks measured at each). The
+        engine makes a refined plan of it; the plan itself is never changed here."""
+        plan = self._plan_source
+        if plan is None or plan.observed is not None or id(plan) in self._observed:
+            return None
+        # one forward, then its backward, as many accesses of each as planned; not begun
+        # while an earlier forward's graph was still alive (its activations were measured too)
+        phases = [phase for _, phase in self._recorded]
+        if self._overlapped or phases != sorted(plan.access.phases, key=PHASES.index):
+            return None
+        self._observed.add(id(plan))
+        measured = self.tracer.nonmodel_by_access()
+        if len(measured) != len(self._recorded):
+            return None
+        chunks, phases = zip(*self._recorded, strict=True)
+        return plan, Observed(tuple(chunks), tuple(phases), tuple(measured))
+
     def _begin(self, plan: AccessPlan) -> None:
         self._wait_grad_copies()  # a backward that raised left its copies behind
-        if self._recorded and self._plan is not None:
-            self._refine(self._plan)
+        phases = {phase for _, phase in self._recorded}
+        self._overlapped = phases == {"forward"}  # the last forward's backward has not run
         self._unpin_node()
         self._unpin(self._recompute_pins[1])
         self._recompute_pins = (None, [])
@@ -357,18 +405,6 @@ class ChunkManager:
         self._cursor = 0
         self._recorded = []
         self.tracer.begin_step()
-
-    def _refine(self, plan: AccessPlan) -> None:
-        """After the first traced step, plan from what happened rather than what was predicted:
-        the real access order and the measured bytes besides chunks."""
-        if id(plan) in self._refined:
-            return
-        self._refined.add(id(plan))
-        measured = self.tracer.nonmodel_by_access()
-        if len(measured) == len(self._recorded):
-            plan.chunks = [c for c, _ in self._recorded]
-            plan.phases = [p for _, p in self._recorded]
-            plan.nonmodel_bytes = measured
 
     # -- accesses -------------------------------------------------------------------------------
 
@@ -489,10 +525,8 @@ class ChunkManager:
         if node is not self._recompute_pins[0]:
             self._unpin(self._recompute_pins[1])
             self._recompute_pins = (None, [])
-        chunk = self._access(packed.chunk, "backward")
-        chunk.pins += 1
-        self._node_pins[1].append(chunk)
-        if self._content_version(chunk) != packed.version:
+        chunk = self.chunks[packed.chunk]
+        if self._content_version(chunk) != packed.version:  # before anything is fetched
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: parameters of chunk {chunk.id} "
@@ -501,6 +535,9 @@ class ChunkManager:
                 "forward and its backward). Call backward before engine.step(), or run the "
                 "forward again."
             )
+        chunk = self._access(packed.chunk, "backward")
+        chunk.pins += 1
+        self._node_pins[1].append(chunk)
         return self._view(chunk, packed.offset, packed.size, packed.stride)
 
     def _content_version(self, chunk: Chunk) -> tuple[int, ...]:

@@ -2,12 +2,17 @@
 
 `ChunkLayout` says which parameter lives in which chunk at which offset (chunk_layout pass);
 `AccessPlan` says in which order a step will need the chunks, forward then backward, and how
-many bytes besides the chunks each moment is expected to need (chunk_schedule pass). The
-ChunkManager follows them; a user can read, print or change them between compile and run.
+many bytes besides the chunks each moment is expected to need; `ChunkPlan` (chunk_schedule
+pass, one per capture) holds both with the room the chunks have: budget, static share, arena
+capacity and device. The ChunkManager is built from a ChunkPlan and follows the one it is run
+with, reading it at every access and never writing it: a user can read, print or change it
+between compile and run. What a traced step measured is an `Observed` record; a plan refined
+from it is a new ChunkPlan (the engine records it as a stage of the program).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -87,3 +92,51 @@ class AccessPlan:
     @property
     def forward_len(self) -> int:
         return self.phases.count("forward")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What a traced training step did: its chunk accesses in order, and the bytes besides
+    chunks measured at each."""
+
+    chunks: tuple[int, ...]
+    phases: tuple[str, ...]
+    nonmodel_bytes: tuple[int, ...]
+
+    def describe(self) -> str:
+        peak = max(self.nonmodel_bytes, default=0)
+        return f"{len(self.chunks)} accesses, at most {peak:,} bytes besides chunks"
+
+
+@dataclass
+class ChunkPlan:
+    """Everything the ChunkManager follows for one capture."""
+
+    layout: ChunkLayout
+    access: AccessPlan
+    budget: int | None  # device_memory in bytes; None: every chunk resident, activations free
+    arena_capacity: int  # bytes of the compute-tier arena, fixed once a manager made it
+    static_share: int | None = None  # static_partition: the chunks' fixed share of the budget
+    device: str = "cpu"
+    mem_cache: int = 2  # freed chunk blocks kept for reuse
+    observed: Observed | None = None  # what the step this plan was refined from measured
+
+    def refined(self, observed: Observed) -> ChunkPlan:
+        """A plan whose access order and bytes besides chunks are what `observed` measured;
+        the room (budget, share, capacity) stays this plan's."""
+        n = len(observed.chunks)
+        pinned = self.access.pinned_at_once if len(self.access) == n else [1] * n
+        access = AccessPlan(list(observed.chunks), list(observed.phases),
+                            list(observed.nonmodel_bytes), list(pinned))  # fmt: skip
+        return dataclasses.replace(self, access=access, observed=observed)
+
+    def describe(self) -> str:
+        budget = "none (every chunk resident)" if self.budget is None else f"{self.budget:,}"
+        share = "" if self.static_share is None else f", static share {self.static_share:,}"
+        source = "compiled" if self.observed is None else "refined from a traced step"
+        return (
+            f"chunk plan ({source}): budget {budget}{share}, arena {self.arena_capacity:,} on "
+            f"{self.device}; {len(self.access)} accesses ({self.access.forward_len} forward), "
+            f"at most {max(self.access.nonmodel_bytes, default=0):,} bytes besides chunks\n"
+            + self.layout.describe()
+        )

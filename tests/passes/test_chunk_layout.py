@@ -71,7 +71,7 @@ def test_auto_size_holds_the_largest_and_leaves_room_for_one_more_chunk():
     layout = engine.program.meta[LAYOUT_KEY]
     largest = max(p.numel() for p in tiny_gpt().parameters())
     assert layout.chunk_size >= largest
-    plan = engine.program.meta[PLAN_KEY]
+    plan = engine.program.meta[PLAN_KEY].access
     for pinned, nonmodel in zip(plan.pinned_at_once, plan.nonmodel_bytes, strict=True):
         assert (pinned + 1) * layout.chunk_bytes <= budget - nonmodel
 
@@ -242,7 +242,7 @@ def test_the_search_sees_the_access_plan_chunk_schedule_makes(kind, options):
     forecast = AccessForecast(program)
     for layout in candidate_layouts(chunked_params(program)):
         scheduled = ChunkSchedule()(copied(program, plan, **{LAYOUT_KEY: layout}))
-        assert forecast.plan(layout) == scheduled.meta[PLAN_KEY], layout.chunk_size
+        assert forecast.plan(layout) == scheduled.meta[PLAN_KEY].access, layout.chunk_size
 
 
 def least_sizes(params) -> list[int]:
@@ -300,7 +300,7 @@ def test_auto_finds_a_size_that_fits_whenever_one_does(kind, options):
         scheduled = ChunkSchedule()(
             copied(program, plan.replace(device_memory=None), **{LAYOUT_KEY: layout})
         )
-        needs[size] = least_budget(plan, scheduled.meta[PLAN_KEY], layout.chunk_bytes)
+        needs[size] = least_budget(plan, scheduled.meta[PLAN_KEY].access, layout.chunk_bytes)
     edges = sorted(set(needs.values()))
     smallest = edges[0]
     for edge in [*edges[:: max(1, len(edges) // 5)], edges[-1]]:
@@ -313,7 +313,10 @@ def test_auto_finds_a_size_that_fits_whenever_one_does(kind, options):
                 continue
             done = ChunkSchedule()(ChunkLayoutPass()(copied(program, under)))
             layout = done.meta[LAYOUT_KEY]
-            assert fits(under, done.meta[PLAN_KEY], layout.chunk_bytes, budget), (budget, layout)
+            assert fits(under, done.meta[PLAN_KEY].access, layout.chunk_bytes, budget), (
+                budget,
+                layout,
+            )
             assert done.meta[NEED_KEY].device_memory == smallest
 
 
@@ -373,3 +376,12 @@ def test_device_memory_auto_on_cuda_is_its_capacity_times_overall_gpu_mem_ratio(
     ChunkLayoutPass()(program)
     assert program.shared[BUDGET_KEY] == int(10 * 2**20 * 0.8)
     assert auto_budget(program, program.meta[NEED_KEY]) == program.shared[BUDGET_KEY]
+
+
+def test_a_model_without_parameters_gets_a_clear_error():
+    class Doubler(torch.nn.Module):
+        def forward(self, x):
+            return (2 * x).sum()
+
+    with pytest.raises(ChunkLayoutError, match="has none the graph reads"):
+        compile(Doubler(), Plan(device_memory="1MiB"), (torch.randn(3, requires_grad=True),))

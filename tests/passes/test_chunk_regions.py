@@ -44,7 +44,7 @@ def test_fetches_live_inside_the_regions_and_recomputation_is_planned():
     call_node, region = region_calls(engine.program.graph_module)[0]
     assert any(n.target is ops.fetch for n in region.graph.nodes)
     assert not any(getattr(a, "op", None) == "placeholder" for a in call_node.args)
-    plan = engine.program.meta[PLAN_KEY]
+    plan = engine.program.meta[PLAN_KEY].access
     inside = [n.args[1] for n in region.graph.nodes if n.target is ops.fetch]
     backward = plan.chunks[plan.forward_len :]
     assert all(c in backward for c in inside)  # fetched again for the recomputation

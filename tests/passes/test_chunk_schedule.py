@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import activation_budget, check_golden, tiny_gpt, tokens
+from conftest import activation_budget, assert_same_step, check_golden, tiny_gpt, tokens
 from torch import nn
 
 from fxstar.dump import dump
@@ -85,7 +85,7 @@ def test_plan_lists_forward_fetches_then_backward_unpacks():
         Plan(device_memory=activation_budget(tiny_gpt, 0.4, example_inputs=inputs)),
         inputs,
     )
-    plan = engine.program.meta[PLAN_KEY]
+    plan = engine.program.meta[PLAN_KEY].access
     forward = plan.forward_len
     assert plan.phases == ["forward"] * forward + ["backward"] * (len(plan) - forward)
     assert max(plan.nonmodel_bytes) == plan.nonmodel_bytes[forward]  # the turn is the peak
@@ -119,3 +119,39 @@ def test_plan_verify_checks_the_chunked_stage_bitwise():
     plan = Plan(device_memory=activation_budget(tiny_gpt, 0.4, example_inputs=inputs), verify=True)
     engine = compile(tiny_gpt(), plan, inputs)  # raises VerifyError if any stage differs
     assert engine.pass_manager.names[-1] == "chunk_schedule"
+
+
+def test_an_edited_plan_is_honoured_and_refining_makes_a_new_stage():
+    """The ChunkPlan is the runtime's only source: a smaller static share edited between
+    compile and run is what the run keeps to (more evictions, the same gradients), and the
+    first traced step refines into a new plan and stage, never rewriting the compiled one."""
+    import copy
+
+    from fxstar.engine import OBSERVED_KEY, REFINED_STAGE
+    from fxstar.runtime.layout import ChunkPlan
+
+    inputs = tokens()
+    budget = activation_budget(tiny_gpt, 1.0, example_inputs=inputs)
+    runs = {}
+    for share in (None, "edited"):
+        eager, model = tiny_gpt(), tiny_gpt()
+        engine = compile(model, Plan(device_memory=budget), inputs)
+        compiled = engine.program.meta[PLAN_KEY]
+        assert isinstance(compiled, ChunkPlan) and compiled.budget == budget
+        if share:
+            compiled.static_share = 2 * engine.chunks.layout.chunk_bytes
+        before = copy.deepcopy(compiled)
+        engine.chunks.checking = True  # every access: resident bytes within the share
+        for step in range(3):
+            assert_same_step("gpt", eager, engine, step)
+            engine.zero_grad()
+            eager.zero_grad()
+        refined = engine.program.meta[PLAN_KEY]
+        assert refined is not compiled and refined.observed is not None
+        assert refined.static_share == compiled.static_share
+        assert compiled == before  # the compiled decision is as it was
+        assert engine.program.meta[OBSERVED_KEY] is refined.observed
+        assert [s.name for s in engine.program.stages][-1] == REFINED_STAGE
+        assert "refined from a traced step" in engine.report()
+        runs[share] = engine.chunks.stats.evictions
+    assert runs["edited"] > runs[None]
