@@ -82,6 +82,21 @@ def call(kind: str, model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return model(input_ids=ids, labels=targets).loss
 
 
+def seeded_backward(kind: str, model, ids: torch.Tensor, targets: torch.Tensor, seed: int):
+    """The loss of one forward on `seed` (dropout draws replay), after its backward."""
+    torch.manual_seed(seed)
+    loss = call(kind, model, ids, targets)
+    loss.backward()
+    return loss
+
+
+def close_in_norm(got: torch.Tensor, want: torch.Tensor, rel: float) -> bool:
+    """A low-precision gradient against fp32 eager: within `rel` of it in norm, with a floor
+    for gradients that are zero but for rounding (attention key biases)."""
+    got = got.float()
+    return bool((got - want).norm() <= rel * want.norm() + 1e-4 * want.numel() ** 0.5)
+
+
 def example(kind: str, ids: torch.Tensor, targets: torch.Tensor) -> dict:
     """The example inputs for fxstar.compile, as keyword arguments of it."""
     if kind == "gpt":

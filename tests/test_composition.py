@@ -16,7 +16,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import call, example, hf_gpt2, tiny_gpt, tokens
+from conftest import close_in_norm, example, hf_gpt2, seeded_backward, tiny_gpt, tokens
 from passes.test_cpu_embedding import untied_llama
 
 from fxstar.engine import compile
@@ -50,26 +50,20 @@ def plan_for(features: tuple[str, ...], model: torch.nn.Module, precision: str) 
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, precision: str, tiled: bool) -> bool:
-    got = got.float()
     if precision == "bf16":
-        return bool((got - want).norm() <= 0.15 * want.norm() + 1e-4 * want.numel() ** 0.5)
+        return close_in_norm(got, want, 0.15)
     if tiled:
         return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     return torch.equal(got, want)
 
 
 def check(model_name: str, features: tuple[str, ...], precision: str) -> None:
-    kind = "gpt" if model_name == "gpt" else model_name
     eager, model = MODELS[model_name](), MODELS[model_name]()
     ids, targets = tokens()
     plan = plan_for(features, model, precision)
-    engine = compile(model, plan, **example(kind, ids, targets))
-    torch.manual_seed(3)
-    expected = call(kind, eager, ids, targets)
-    expected.backward()
-    torch.manual_seed(3)
-    loss = call(kind, engine, ids, targets)
-    loss.backward()
+    engine = compile(model, plan, **example(model_name, ids, targets))
+    expected = seeded_backward(model_name, eager, ids, targets, seed=3)
+    loss = seeded_backward(model_name, engine, ids, targets, seed=3)
     tiled = "tiled" in features
     if precision == "bf16":
         assert torch.allclose(loss.float(), expected, rtol=5e-2), (loss, expected)

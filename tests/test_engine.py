@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, call, example, hf_gpt2, hf_llama, tiny_gpt, tokens
+from conftest import VOCAB, call, example, hf_gpt2, hf_llama, seeded_backward, tiny_gpt, tokens
 from torch import nn
 
 from fxstar.engine import Engine, compile
@@ -16,12 +16,8 @@ def test_loss_and_every_gradient_bitwise_equal_to_eager(kind):
     eager, model = FACTORIES[kind](), FACTORIES[kind]()
     engine = compile(model, Plan(), **example(kind, ids, targets))
     assert isinstance(engine, Engine) and isinstance(engine, nn.Module)
-    torch.manual_seed(7)
-    expected = call(kind, eager, ids, targets)
-    expected.backward()
-    torch.manual_seed(7)
-    loss = call(kind, engine, ids, targets)
-    loss.backward()
+    expected = seeded_backward(kind, eager, ids, targets, seed=7)
+    loss = seeded_backward(kind, engine, ids, targets, seed=7)
     assert torch.equal(loss, expected)
     for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name

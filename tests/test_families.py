@@ -13,6 +13,7 @@ rounding, such as attention key biases).
 
 import pytest
 import torch
+from conftest import close_in_norm
 from families import FAMILIES
 
 import fxstar
@@ -55,10 +56,9 @@ def _grad(engine, name: str, param) -> torch.Tensor | None:
 
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: dict) -> bool:
-    got = got.float()
     if "norm" in tol:
-        return bool((got - want).norm() <= tol["norm"] * want.norm() + 1e-4 * want.numel() ** 0.5)
-    return torch.allclose(got, want, rtol=tol["rtol"], atol=tol["atol"])
+        return close_in_norm(got, want, tol["norm"])
+    return torch.allclose(got.float(), want, rtol=tol["rtol"], atol=tol["atol"])
 
 
 def check(family: str, make_plan, tol: dict) -> None:
