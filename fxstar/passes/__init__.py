@@ -10,7 +10,7 @@ Every module of this package is a built-in pass and is imported with it.
 Analysis passes write `node.meta` (and `node.meta["fxstar_notes"]` for what dumps show);
 rewrite passes add or replace nodes. Passes never import the engine or runtime internals.
 A pass that crashes surfaces as a PassError naming it and the node it was at; errors that
-explain themselves (FxstarError, PlanError) pass through unchanged.
+explain themselves (FxstarError, PlanError among them) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from torch import fx
 
 from fxstar.dump import target_name
 from fxstar.errors import FxstarError, IRError, PassOrderError
-from fxstar.plan import PlanError
 from fxstar.program import EXPORT, Program
 
 __all__ = [
@@ -330,7 +329,7 @@ class PassManager:
             start = time.perf_counter()
             try:
                 result = p(program)
-            except (FxstarError, PlanError):
+            except FxstarError:
                 raise
             except Exception as error:
                 raise PassError(p.name, error, program) from error

@@ -186,9 +186,10 @@ def find_regions(
         if clash is not None:
             if skip_conflicts:
                 continue
-            raise ValueError(
-                f"checkpoint regions {clash!r} and {module!r} interleave in the graph; "
-                "choose module patterns whose nodes are contiguous"
+            raise PlanError(
+                f"checkpoint: regions {clash!r} and {module!r} interleave in the graph (a "
+                "module called again after another, as a block's dropout around its MLP); "
+                "choose module patterns whose nodes are contiguous, or checkpoint='auto'"
             )
         regions.append(Region(module, [n.name for n in nodes[first : last + 1]]))
         end = last
