@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from fxstar.errors import FxstarError
+from fxstar.runtime import ops
 
 __all__ = [
     "ELEMENTWISE",
@@ -59,6 +60,10 @@ class Carried:
     args: tuple | None = None
 
 
+# cpu_embedding's moves of ids and rows between tiers: a split passes through them as it is
+HOST_MOVES = (ops.to_host, ops.to_compute)
+
+
 class Refusal(Exception):
     """A rule cannot carry the split; the message says why, in a phrase."""
 
@@ -70,6 +75,8 @@ def op_name(node: fx.Node) -> str:
         return target.overloadpacket.__name__
     if node.op == "call_function" and getattr(target, "__name__", "") == "getitem":
         return "getitem"
+    if node.op == "call_function" and target in HOST_MOVES:
+        return target.__name__
     return ""
 
 
@@ -195,7 +202,7 @@ def _elementwise(c: Call) -> Carried:
     return Carried(Shard(dim, parts))
 
 
-@_rule("unary", *UNARY)
+@_rule("unary", *UNARY, *(f.__name__ for f in HOST_MOVES))
 def _unary(c: Call) -> Carried:
     """The first operand's split; any other tensor (`to(other)`, `type_as`) gives only its
     dtype or device, so a split there leaves the output whole."""

@@ -516,6 +516,12 @@ class TPSharding(Pass):
         config = program.plan.tensor_parallel
         if config is None or config.size < 2:
             raise TPShardingError("tp_sharding needs plan.tensor_parallel with size >= 2")
+        if config.sequence_parallel and program.plan.cpu_embedding:
+            raise TPShardingError(
+                "tensor_parallel.sequence_parallel with cpu_embedding is not supported yet: the "
+                "host lookup's rows are not cut to each rank's sequence slice. Turn one of them "
+                "off (cpu_embedding composes with tensor parallel without sequence_parallel)"
+            )
         n = config.size
         sharding = Sharding(size=n, sequence_parallel=config.sequence_parallel)
         sharding.sites = _find_sites(program, dict(config.rules), n)

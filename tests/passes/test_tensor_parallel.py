@@ -620,3 +620,42 @@ def test_tensor_parallel_composes_with_chunks_and_bf16():
     results = spawn(_compose_worker, 2)
     failures = [f for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:20])
+
+
+TP_PAIRS = {
+    "blocks": {"checkpoint": "blocks"},
+    "blocks+offload": {"checkpoint": "blocks", "offload_activations": True},
+    "auto": {"checkpoint": "auto", "activation_memory": 4096},
+    "tiled": {"tiled_linear": {"in_splits": 2, "out_splits": 2, "min_size": 256}},
+    "chunks+blocks": {"checkpoint": "blocks", "device_memory": 10**6},
+    "cpu_embedding": {"cpu_embedding": True, "device_memory": 10**6},
+}
+
+
+def _pairs_worker(rank: int, world: int) -> dict:
+    """Tensor parallel beside each other memory feature (the composition matrix's TP row)."""
+    torch.manual_seed(0)
+    failures: list[str] = []
+    reference = _reference("gpt", world)
+    args, kwargs = _inputs("gpt")
+    for label, extra in TP_PAIRS.items():
+        for sp in (False, True) if "cpu_embedding" not in extra else (False,):
+            engine = fxstar.compile(_make("gpt", world), _plan(world, sp, **extra), args, kwargs)
+            out = engine(*args, **kwargs)
+            _loss(out).backward()
+            _compare(engine, reference, out, f"tp+{label} sp={sp}", failures)
+    return {"failures": failures}
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint='auto'.*cannot be met:UserWarning")
+def test_tensor_parallel_composes_with_every_memory_feature():
+    results = spawn(_pairs_worker, 2)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_sequence_parallel_with_cpu_embedding_is_refused_by_name():
+    args, kwargs = _inputs("gpt")
+    plan = _plan(2, sp=True, cpu_embedding=True, device_memory=10**6)
+    with pytest.raises(TPShardingError, match="sequence_parallel with cpu_embedding"):
+        _analyse(gpt(), args, kwargs, plan)
