@@ -31,10 +31,16 @@ the `.tmp-` directories of killed saves (same host, pid gone). Siblings are matc
 name, never by a glob: a name with `*`, `?` or `[` only ever touches its own.
 
 Under tensor parallelism (`plan.tensor_parallel`, a process group) every rank calls `save`:
-the parameters are gathered from the shards, rank 0 alone writes, and every rank returns once
-the checkpoint is whole (or raises rank 0's error). The training state is rank 0's (its RNG,
-its shards of the optimizer state), so such a checkpoint restores parameters only
-(`fxstar.load(dir, model)` before compile); `Checkpoint.apply` refuses it.
+the parameters are gathered from the shards and every rank's training state (its RNG, its
+shards of the optimizer moments, keyed by the fed names every rank shares) is gathered to rank
+0, which alone writes: rank 0's state where a one-rank save puts it, rank r's tensors in
+`training.rank<r>.safetensors` (checksummed under "files" like the others) and its structure
+under "rank_states"/"<r>" of training.json. Every rank returns once the checkpoint is whole
+(or raises rank 0's error). Every rank calls `Checkpoint.apply` (`engine.load`) too: the full
+parameters are cut into its shards by the store, and it restores its own rank's training
+state, so the run resumes bit for bit. That needs the same world size and tensor-parallel
+size; another (or a checkpoint of an older fxstar, with rank 0's state only) is refused with
+a CheckpointError: `fxstar.load(dir, model)` before compile still takes its weights.
 """
 
 from __future__ import annotations
@@ -233,14 +239,48 @@ def save(engine: Engine, path: str | os.PathLike) -> Path:
     params, aliases = _dedupe(engine.state_dict())  # collective under tensor parallelism
     ranks = _ranks(engine)
     if ranks == 1:
-        return _save(engine, path, params, aliases, ranks)
+        return _save(engine, path, params, aliases, ranks, [_to_json(training_state(engine))])
     group = engine.shared.get(GROUP_KEY)
-    return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks), group)
+    states = _gather_states(engine, group)  # collective: every rank's training state to rank 0
+    return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks, states), group)
+
+
+def _gather_states(engine: Engine, group: str | None) -> list[tuple[Any, dict]]:
+    """Every rank's training state as `_to_json` splits it, on rank 0 (in rank order; empty
+    elsewhere). A rank that cannot give its state sends the error, which rank 0 raises (and
+    `_on_rank_zero` tells every rank), so no rank waits for a state that never comes."""
+    try:
+        mine: Any = _to_json(training_state(engine))
+    except Exception as caught:
+        mine = f"{type(caught).__name__}: {caught}"
+    pg = tp.process_group(group)
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
+    # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
+    with tp.guard("gather_object (checkpoint save)", group):
+        dist.gather_object(mine, gathered, dst=0, group=pg)
+    if rank != 0:
+        return []
+
+    def checked() -> list[tuple[Any, dict]]:
+        for r, state in enumerate(gathered):
+            if isinstance(state, str):
+                raise CheckpointError(f"rank {r} could not give its training state: {state}")
+        return gathered
+
+    return checked()
+
+
+def _rank_file(rank: int) -> str:
+    """The training-state tensors of `rank` (rank 0's are TENSORS, as in a one-rank save)."""
+    return TENSORS if rank == 0 else f"training.rank{rank}.safetensors"
 
 
 def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tensor],
-          aliases: dict[str, str], ranks: int) -> Path:  # fmt: skip
-    skeleton, tensors = _to_json(training_state(engine))
+          aliases: dict[str, str], ranks: int, states: list[tuple[Any, dict]]) -> Path:  # fmt: skip
+    if len(states) != ranks:
+        raise CheckpointError(f"{len(states)} training states for {ranks} ranks")
+    skeleton, tensors = states[0]
     plan = engine.plan.to_dict()
     plan.pop("loss_fn", None)
     meta = {
@@ -255,11 +295,16 @@ def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tenso
         "state": skeleton,
         "plan": _jsonable(plan),
     }
+    files = [(PARAMETERS, params, {"format": "pt", ALIASES_KEY: json.dumps(aliases)}),
+             (TENSORS, tensors, {"format": "pt"})]  # fmt: skip
+    if ranks > 1:  # the other ranks' training states: their own RNG and optimizer shards
+        meta["rank_states"] = {}
+        for rank, (rank_skeleton, rank_tensors) in enumerate(states[1:], start=1):
+            meta["rank_states"][str(rank)] = {"tensors": _rank_file(rank), "state": rank_skeleton}
+            files.append((_rank_file(rank), rank_tensors, {"format": "pt"}))
 
     def write(tmp: Path) -> None:
-        header = {"format": "pt", ALIASES_KEY: json.dumps(aliases)}
-        for name, content, metadata in [(PARAMETERS, params, header),
-                                        (TENSORS, tensors, {"format": "pt"})]:  # fmt: skip
+        for name, content, metadata in files:
             save_file(content, tmp / name, metadata=metadata)
             meta["files"][name] = {
                 "bytes": (tmp / name).stat().st_size,
@@ -508,18 +553,42 @@ class Checkpoint:
     def apply(self, engine: Engine, *, strict: bool = True, rng: bool = True) -> None:
         """Restore parameters (copied into the engine's own tensors: the optimizer and the
         chunk homes keep theirs), optimizer, scheduler, loss scaler, step and RNG."""
+        state = self.state
         ranks = self.meta.get("ranks", 1)
-        if ranks != 1:
-            raise CheckpointError(
-                f"{self.path} was saved by {ranks} tensor-parallel ranks: its training state is "
-                "rank 0's (RNG, optimizer state of its shards only), so it cannot resume a run; "
-                "load its parameters into the model before compile (fxstar.load(dir, model)) "
-                "and start the optimizer afresh"
-            )
+        if ranks != 1 or _ranks(engine) != 1:
+            self._resumable_by(engine)
+        # collective under tensor parallelism (the parameters are gathered): every rank is here
         self.check(engine.state_dict())
-        copy_parameters(engine, self.parameters)
+        if ranks != 1 and dist.get_rank() != 0:  # rank 0's is self.state
+            state = _rank_state(self.path, self.meta, dist.get_rank())
+        copy_parameters(engine, self.parameters)  # cut into this rank's shards by the store
         engine.zero_grad(set_to_none=True)
-        restore_training_state(engine, self.state, strict=strict, rng=rng)
+        restore_training_state(engine, state, strict=strict, rng=rng)
+
+    def _resumable_by(self, engine: Engine) -> None:
+        """A tensor-parallel checkpoint resumes an engine of the same world and tensor-parallel
+        size, each rank from its own training state; anything else is refused here."""
+        ranks, mine = self.meta.get("ranks", 1), _ranks(engine)
+        plan = self.meta.get("plan")
+        saved = plan.get("tensor_parallel") if isinstance(plan, dict) else None
+        saved_tp = saved.get("size", ranks) if isinstance(saved, dict) else ranks
+        config = engine.plan.tensor_parallel
+        my_tp = config.size if config is not None else 1
+        if ranks != mine or (ranks != 1 and saved_tp != my_tp):
+            raise CheckpointError(
+                f"{self.path} was saved by {ranks} tensor-parallel ranks (tensor_parallel size "
+                f"{saved_tp}); this engine runs on {mine} (size {my_tp}): a run resumes at the "
+                "same world size and tensor-parallel size only (resharding the optimizer state "
+                "is not supported); to start afresh from its weights, load its parameters into "
+                "the model before compile (fxstar.load(dir, model))"
+            )
+        if "rank_states" not in self.meta:
+            raise CheckpointError(
+                f"{self.path} was saved by {ranks} tensor-parallel ranks with rank 0's training "
+                "state only (an older fxstar), so it cannot resume a run; load its parameters "
+                "into the model before compile (fxstar.load(dir, model)) and start the "
+                "optimizer afresh"
+            )
 
 
 def mismatches(
@@ -584,15 +653,31 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> Checkpoint:
     `Checkpoint.apply(engine)` or `engine.load(dir)` restores an engine."""
     directory = resolve(path)
     meta = _meta(directory)
-    tensors, _ = _read_tensors(directory, meta, meta.get("tensors", TENSORS))
     with _reading(directory / STATE):
-        state = _from_json(meta.pop("state"), tensors)
-        step = state["step"]  # what every resume reads: missing, it is named here
-        _ = int(step["micro_steps"]), int(step["optimizer_steps"]), state["rng"], state["optimizer"]
+        skeleton = meta.pop("state")
+    state = _state(directory, meta, meta.get("tensors", TENSORS), skeleton)
     checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta)
     if model is not None:
         checkpoint.load_into(model)
     return checkpoint
+
+
+def _state(directory: Path, meta: Mapping[str, Any], name: Any, skeleton: Any) -> dict[str, Any]:
+    """A training state: `skeleton` (from training.json) with the tensors of file `name`."""
+    tensors, _ = _read_tensors(directory, meta, name)
+    with _reading(directory / STATE):
+        state = _from_json(skeleton, tensors)
+        step = state["step"]  # what every resume reads: missing, it is named here
+        _ = int(step["micro_steps"]), int(step["optimizer_steps"]), state["rng"], state["optimizer"]
+    return state
+
+
+def _rank_state(directory: Path, meta: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """The training state rank `rank` (> 0) of a tensor-parallel save wrote."""
+    with _reading(directory / STATE):
+        entry = meta["rank_states"][str(rank)]
+        name, skeleton = entry["tensors"], entry["state"]
+    return _state(directory, meta, name, skeleton)
 
 
 @contextmanager

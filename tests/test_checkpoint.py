@@ -420,20 +420,63 @@ def test_two_writers_of_one_path_each_leave_a_whole_checkpoint(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt"] and (target / "who").read_text() in ("a29", "b29")
 
 
-def _save_tensor_parallel(rank: int, world: int, path: str):
-    plan = Plan(tensor_parallel={"size": world}, optimizer={"type": "sgd", "lr": 0.1})
-    engine = compile(tiny_gpt(dropout=0.0), plan, tokens())
+def _resume_tensor_parallel(rank: int, world: int, path: str) -> dict:
+    """Train 3 steps, save, train 3 more; then a fresh engine (other weights, other RNG) loads
+    the checkpoint and trains the same 3 steps. Every rank saves and loads its own state."""
+    plan = Plan(tensor_parallel={"size": world, "sequence_parallel": True}, optimizer=OPTIMIZER)
+
+    def build_tp(seed: int):
+        engine = compile(tiny_gpt(seed), plan, tokens())
+        scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.7)
+        engine.attach_scheduler(scheduler)
+        return engine, scheduler
+
+    engine, scheduler = build_tp(0)
+    torch.manual_seed(1234 + rank)  # the ranks' RNGs differ: each must get its own back
+    train(engine, scheduler, range(3))
+    saved = {k: v.clone() for k, v in engine.state_dict().items()}
     returned = engine.save(path)  # every rank calls it: the parameters are gathered
-    return returned, sorted(os.listdir(os.path.dirname(path)))
+    expected = train(engine, scheduler, range(3, 6))
+    final = {k: v.clone() for k, v in engine.state_dict().items()}
+
+    torch.manual_seed(999)  # the resumed run must not depend on the RNG it finds
+    engine, scheduler = build_tp(5)  # other weights: the load must overwrite them
+    engine.load(path)
+    got = train(engine, scheduler, range(3, 6))
+    return {
+        "returned": returned,
+        "listing": sorted(os.listdir(os.path.dirname(path))),
+        "saved": saved,
+        "same_losses": all(torch.equal(a, b) for a, b in zip(got, expected)),
+        "losses": (got, expected),
+        "same_state": _equal(engine.state_dict(), final),
+    }
 
 
-def test_tensor_parallel_ranks_save_once_and_return_when_it_is_whole(tmp_path):
+def test_a_tensor_parallel_run_resumes_bitwise_on_every_rank(tmp_path):
     path = tmp_path / "ckpt"
-    assert spawn(_save_tensor_parallel, 2, str(path)) == [(str(path), ["ckpt"])] * 2
-    model = tiny_gpt(5, dropout=0.0)
+    results = spawn(_resume_tensor_parallel, 2, str(path))
+    for rank, result in enumerate(results):
+        assert result["returned"] == str(path) and result["listing"] == ["ckpt"]
+        assert result["same_losses"], (rank, result["losses"])
+        assert result["same_state"], rank
+    files = sorted(os.listdir(path))
+    assert files == sorted([ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE, ckpt._rank_file(1)])
+    model = tiny_gpt(5)
     checkpoint = fxstar.load(path, model)  # the full weights, not rank 0's shards
     assert checkpoint.meta["ranks"] == 2
-    assert _equal(model.state_dict(), tiny_gpt(dropout=0.0).state_dict())
+    assert _equal(model.state_dict(), results[0]["saved"])
+    # each rank's training state is checked like the others: its own checksums
+    assert set(checkpoint.meta["files"]) == {ckpt.PARAMETERS, ckpt.TENSORS, ckpt._rank_file(1)}
+    ranked = ckpt._rank_state(checkpoint.path, checkpoint.meta, 1)
+    assert ranked["step"] == checkpoint.state["step"]
+    assert not torch.equal(ranked["rng"]["torch"], checkpoint.state["rng"]["torch"])
+    damaged = _copy(path, tmp_path / "damaged")
+    file = damaged / ckpt._rank_file(1)
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(fxstar.CheckpointError, match="truncated"):
+        ckpt._rank_state(damaged, fxstar.load(damaged).meta, 1)
+    # another world size (here: one process) is refused, naming both
     engine = compile(tiny_gpt(), Plan(optimizer=OPTIMIZER), tokens())
-    with pytest.raises(fxstar.CheckpointError, match="2 tensor-parallel ranks"):
+    with pytest.raises(fxstar.CheckpointError, match="2 tensor-parallel ranks.*runs on 1"):
         engine.load(path)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from conftest import SEQ, VOCAB, tiny_gpt, tokens
+from conftest import SEQ, VOCAB, close_in_norm, tiny_gpt, tokens
 
 import fxstar
 from fxstar.capture import capture
@@ -436,15 +436,26 @@ def _set_modes(engine, async_comm: bool, recompute: bool, mem_saving: bool) -> N
 
 
 def _compare(engine, reference, out, label: str, failures: list[str]) -> None:
+    """Loss and consolidated gradients against the single process: within TOL, or under
+    bf16/fp16 (gradients read from the chunks) the loss within 5% and each gradient within
+    15% in norm."""
     expected = _loss(reference["out"])
-    if not torch.allclose(_loss(out), expected, **TOL):
+    chunks = engine.chunks
+    low = chunks is not None and chunks.low_precision
+    grads = {n: p.grad for n, p in engine.named_parameters()}
+    if low:
+        slots = chunks.layout.slots()
+        grads = {n: chunks.slot_grad(slots[n]) if n in slots else g for n, g in grads.items()}
+    loss_tol = {"rtol": 5e-2, "atol": 0.0} if low else TOL
+    if not torch.allclose(_loss(out).float(), expected, **loss_tol):
         failures.append(f"{label}: loss {_loss(out).item()} != {expected.item()}")
-    grads = engine.store.consolidate_grads({n: p.grad for n, p in engine.named_parameters()})
+    grads = engine.store.consolidate_grads(grads)
     for name, ref in reference["grads"].items():
         got = grads.get(name)
-        if got is None or got.shape != ref.shape or not torch.allclose(got, ref, **TOL):
-            err = None if got is None or got.shape != ref.shape else (got - ref).abs().max()
-            failures.append(f"{label}: grad {name} differs (max err {err})")
+        if got is None or got.shape != ref.shape:
+            failures.append(f"{label}: grad {name} missing or misshapen")
+        elif not (close_in_norm(got, ref, 0.15) if low else torch.allclose(got, ref, **TOL)):
+            failures.append(f"{label}: grad {name} differs (max err {(got - ref).abs().max()})")
 
 
 def _reference(name: str, world: int):
@@ -590,25 +601,12 @@ def _compose_worker(rank: int, world: int) -> dict:
     param_bytes = sum(p.numel() * 4 for p in gpt().parameters())
     paged = _plan(world, True, device_memory=param_bytes, static_partition=True,
                   warmup_gpu_chunk_mem_ratio=0.3)  # fmt: skip
-    cases = {
-        "chunks": (paged, TOL),
-        "bf16": (_plan(world, True, precision="bf16"), {"rtol": 5e-2, "atol": 2e-2}),
-    }
-    for label, (plan, tol) in cases.items():
+    for label, plan in {"chunks": paged, "bf16": _plan(world, True, precision="bf16")}.items():
         engine = fxstar.compile(_make("gpt", world), plan, args, kwargs)
         assert engine.chunks is not None
         out = engine(*args, **kwargs)
         _loss(out).backward()
-        if not torch.allclose(_loss(out).float(), reference["out"], **tol):
-            failures.append(f"{label}: loss {_loss(out).item()} != {reference['out'].item()}")
-        grads = engine.store.consolidate_grads(
-            {n: engine.chunks.grad_view(engine.chunks.layout.slots()[n])
-             if engine.chunks.low_precision else p.grad for n, p in engine.named_parameters()}
-        )  # fmt: skip
-        for name, ref in reference["grads"].items():
-            got = grads[name].float()
-            if got.shape != ref.shape or not torch.allclose(got, ref, **tol):
-                failures.append(f"{label}: grad {name} differs")
+        _compare(engine, reference, out, label, failures)
         state = engine.state_dict()  # the fp32 masters, whole: the model's own weights
         for key, value in reference["model"].state_dict().items():
             if not torch.equal(state[key].float(), value):
@@ -632,26 +630,41 @@ TP_PAIRS = {
 }
 
 
-def _pairs_worker(rank: int, world: int) -> dict:
-    """Tensor parallel beside each other memory feature (the composition matrix's TP row)."""
+def _pairs_worker(rank: int, world: int, names: list[str]) -> dict:
+    """Tensor parallel beside each other memory feature, in fp32 and bf16 (the composition
+    matrix's TP row)."""
     torch.manual_seed(0)
     failures: list[str] = []
-    reference = _reference("gpt", world)
-    args, kwargs = _inputs("gpt")
-    for label, extra in TP_PAIRS.items():
-        for sp in (False, True) if "cpu_embedding" not in extra else (False,):
-            engine = fxstar.compile(_make("gpt", world), _plan(world, sp, **extra), args, kwargs)
-            out = engine(*args, **kwargs)
-            _loss(out).backward()
-            _compare(engine, reference, out, f"tp+{label} sp={sp}", failures)
+    for name in names:
+        reference = _reference(name, world)
+        args, kwargs = _inputs(name)
+        for (label, extra), precision in itertools.product(TP_PAIRS.items(), ("fp32", "bf16")):
+            for sp in (False, True) if "cpu_embedding" not in extra else (False,):
+                plan = _plan(world, sp, precision=precision, **extra)
+                engine = fxstar.compile(_make(name, world), plan, args, kwargs)
+                out = engine(*args, **kwargs)
+                _loss(out).backward()
+                _compare(engine, reference, out, f"{name} tp+{label} {precision} sp={sp}",
+                         failures)  # fmt: skip
     return {"failures": failures}
+
+
+def _pairs(names: list[str]) -> None:
+    results = spawn(_pairs_worker, 2, names)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:20])
 
 
 @pytest.mark.filterwarnings("ignore:checkpoint='auto'.*cannot be met:UserWarning")
 def test_tensor_parallel_composes_with_every_memory_feature():
-    results = spawn(_pairs_worker, 2)
-    failures = [f for r in results for f in r["failures"]]
-    assert not failures, "\n".join(failures[:20])
+    _pairs(["gpt"])
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:checkpoint='auto'.*cannot be met:UserWarning")
+def test_tensor_parallel_composes_with_every_memory_feature_on_transformers_models():
+    pytest.importorskip("transformers")
+    _pairs(["gpt2", "llama"])
 
 
 def test_sequence_parallel_with_cpu_embedding_is_refused_by_name():
