@@ -10,7 +10,19 @@ from fxstar.capture import capture
 from fxstar.checkpoint import Checkpoint, CheckpointError, load
 from fxstar.dump import diff, draw, dump
 from fxstar.engine import Engine, compile
-from fxstar.errors import CaptureError, FxstarError, IRError, PassOrderError, VerifyError
+from fxstar.errors import (
+    CaptureError,
+    CollectiveError,
+    EngineStateError,
+    FxstarError,
+    IRError,
+    OptionNotImplementedError,
+    PassOrderError,
+    RankMismatchError,
+    TargetError,
+    UsageError,
+    VerifyError,
+)
 from fxstar.plan import (
     LossScaleConfig,
     OptimizerConfig,
@@ -26,18 +38,24 @@ __all__ = [
     "CaptureError",
     "Checkpoint",
     "CheckpointError",
+    "CollectiveError",
     "Engine",
+    "EngineStateError",
     "FxstarError",
     "IRError",
     "LossScaleConfig",
     "OptimizerConfig",
+    "OptionNotImplementedError",
     "PassOrderError",
     "Plan",
     "PlanError",
     "Program",
+    "RankMismatchError",
     "Stage",
     "TensorParallelConfig",
+    "TargetError",
     "TiledLinearConfig",
+    "UsageError",
     "VerifyError",
     "_C",
     "capture",

@@ -5,12 +5,14 @@ from __future__ import annotations
 __all__ = [
     "CaptureError",
     "CheckpointError",
+    "CollectiveError",
     "EngineStateError",
     "FxstarError",
     "IRError",
     "OptionNotImplementedError",
     "PassOrderError",
     "PlanError",
+    "RankMismatchError",
     "TargetError",
     "UsageError",
     "VerifyError",
@@ -101,3 +103,14 @@ class VerifyError(FxstarError, AssertionError):
         self.pass_name = pass_name
         self.tensor = tensor
         super().__init__(message)
+
+
+class CollectiveError(FxstarError, RuntimeError):
+    """A collective timed out or lost a peer: another rank failed, stopped calling the engine,
+    or diverged. Raised in place of gloo's bare 'Timed out waiting ...' or 'Connection closed by
+    peer', naming the collective, the rank and the group; the original is its `__cause__`."""
+
+
+class RankMismatchError(FxstarError, RuntimeError):
+    """The ranks compiled different plans, graphs or parameters; the message names every
+    difference with its value per rank. Every rank raises the same message."""

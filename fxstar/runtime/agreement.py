@@ -25,18 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxstar.errors import FxstarError
+from fxstar.errors import RankMismatchError
 from fxstar.runtime import dist as comm
 
 __all__ = ["AGREED", "RankMismatchError", "agree", "fingerprint", "mismatch_message"]
 
 SHOWN = 8  # differing parameters listed by name; the rest are counted
 AGREED = "rank_agreement"  # Program.meta: set once the ranks agreed on this program
-
-
-class RankMismatchError(FxstarError, RuntimeError):
-    """The ranks compiled different plans, graphs or parameters; the message names every
-    difference with its value per rank. Every rank raises the same message."""
 
 
 # -- fingerprints ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxstar.errors import FxstarError
+from fxstar.errors import CollectiveError
 
 __all__ = [
     "CollectiveError",
@@ -64,12 +64,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 # -- process groups and their failures ------------------------------------------------------------
-
-
-class CollectiveError(FxstarError, RuntimeError):
-    """A collective timed out or lost a peer: another rank failed, stopped calling the engine,
-    or diverged. Raised in place of gloo's bare 'Timed out waiting ...' or 'Connection closed by
-    peer', naming the collective, the rank and the group; the original is its `__cause__`."""
 
 
 @dataclasses.dataclass(frozen=True)
