@@ -253,6 +253,25 @@ def test_low_precision_recaptures_after_a_step(precision):
     assert len(engine.programs) == 3
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_validates_under_the_smallest_budget(precision):
+    """device_memory='auto' settles on the training capture; evaluation captures (same shape,
+    shorter, smaller batch) are measured in the compute dtype, not on the fp32 masters the
+    store holds once the chunks took over, so they fit it too."""
+    engine = compile(tiny_gpt(), Plan(precision=precision, device_memory="auto"),
+                     example_inputs=tokens())  # fmt: skip
+    for _ in range(2):
+        engine(*tokens()).backward()
+        engine.step()
+    engine.eval()
+    with torch.no_grad():
+        for batch in (tokens(), tokens(seq=8), tokens(batch=1)):
+            assert torch.isfinite(engine(*batch))
+    engine.train()
+    engine(*tokens(seq=8)).backward()
+    engine.step()
+
+
 def test_report_says_where_the_optimizer_differs_from_torch():
     report = compile(tiny_gpt(), Plan(optimizer={"weight_decay": 0.1}),
                      example_inputs=tokens()).report()  # fmt: skip

@@ -209,6 +209,13 @@ def _analysis_tensors(program: Program) -> dict[str, torch.Tensor]:
     for slot in program.inputs:
         if slot.kind == "buffer" and slot.target in tensors:
             tensors[slot.target] = tensors[slot.target].detach().clone()
+    # bf16/fp16 after the chunks took over: the store holds the fp32 masters, the graph was
+    # traced in the compute dtype (a later capture, eval or a new shape, measures as it runs)
+    for info in program.params:
+        for name in info.aliases:
+            t = tensors.get(name)
+            if t is not None and t.dtype != info.dtype:
+                tensors[name] = t.detach().to(info.dtype).requires_grad_(t.requires_grad)
     return tensors
 
 
