@@ -504,8 +504,8 @@ class Engine(nn.Module):
         self.programs.clear()
         self._optimizer = None
         self.chunks = None
-        if self.model.__dict__.get("_fxstar_engine", lambda: None)() is self:
-            del self.model.__dict__["_fxstar_engine"]
+        if _owner(self.model) is self:
+            del self.model.__dict__[OWNER]
 
     def __enter__(self) -> Engine:
         return self
@@ -621,8 +621,7 @@ def _claim(model: nn.Module, engine: Engine) -> None:
     first never sees (and the model would show only one of them)."""
     from fxstar.passes.chunk_layout import uses_chunks
 
-    previous = model.__dict__.get("_fxstar_engine")
-    other = previous() if previous is not None else None
+    other = _owner(model)
     if (
         other is not None
         and other.model is model
@@ -637,7 +636,32 @@ def _claim(model: nn.Module, engine: Engine) -> None:
             "(copy.deepcopy(model)), or close the first engine (engine.close()) before "
             "compiling again."
         )
-    model.__dict__["_fxstar_engine"] = weakref.ref(engine)
+    model.__dict__[OWNER] = _Owner(engine)
+
+
+OWNER = "_fxstar_engine"  # the model's attribute naming the engine that owns its parameters
+
+
+class _Owner:
+    """A weak reference to the engine that owns a model's parameters, which copies and pickles
+    of the model (`torch.save(model)`, `copy.deepcopy`) leave behind."""
+
+    def __init__(self, engine: Engine | None = None):
+        self.ref = weakref.ref(engine) if engine is not None else None
+
+    def __call__(self) -> Engine | None:
+        return self.ref() if self.ref is not None else None
+
+    def __reduce__(self):
+        return (_Owner, ())
+
+    def __deepcopy__(self, memo: dict) -> _Owner:
+        return _Owner()
+
+
+def _owner(model: nn.Module) -> Engine | None:
+    owner = model.__dict__.get(OWNER)
+    return owner() if owner is not None else None
 
 
 def _low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -140,3 +140,14 @@ def test_step_from_two_threads_steps_one_after_the_other():
             t.join()
     assert not errors, errors
     assert engine._micro_steps == 10
+
+
+def test_a_compiled_model_still_pickles_and_copies(tmp_path):
+    """The owner mark a chunk engine leaves on the model travels with neither."""
+    model = gpt()
+    engine = compile(model, chunk_plan(), example_inputs=tokens())
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    compile(again, chunk_plan(), example_inputs=tokens())  # not owned by `engine`
+    compile(copy.deepcopy(model), chunk_plan(), example_inputs=tokens())
+    assert engine.chunks is not None
