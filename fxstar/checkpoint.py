@@ -103,8 +103,8 @@ def training_state(engine: Engine) -> dict[str, Any]:
     optimizer = engine.optimizer
     state: dict[str, Any] = {
         "step": {
-            "micro_steps": engine._micro_steps,
-            "optimizer_steps": engine._micro_steps // engine.plan.optimizer.accumulation_steps,
+            "micro_steps": engine.step_count,
+            "optimizer_steps": engine.step_count // engine.plan.optimizer.accumulation_steps,
         },
         "rng": rng_state(),
         "optimizer": optimizer.state_dict(),
@@ -117,14 +117,7 @@ def training_state(engine: Engine) -> dict[str, Any]:
 
 def stateful(engine: Engine) -> dict[str, Any]:
     """The objects saved along with the optimizer: a loss scaler, a scheduler, registered ones."""
-    objects = {}
-    for attribute in ("scaler", "loss_scaler"):  # fp16's dynamic loss scale
-        scaler = getattr(engine, attribute, None)
-        if scaler is not None and hasattr(scaler, "state_dict"):
-            objects["loss_scaler"] = scaler
-            break
-    objects.update(getattr(engine, "_registered_state", {}))
-    return objects
+    return engine.stateful()
 
 
 def restore_training_state(
@@ -149,7 +142,7 @@ def restore_training_state(
     for name, obj in objects.items():
         if name in state:
             obj.load_state_dict(state[name])
-    engine._micro_steps = int(state["step"]["micro_steps"])
+    engine.step_count = int(state["step"]["micro_steps"])
     if rng:
         set_rng_state(state["rng"])
 

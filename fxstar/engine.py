@@ -385,6 +385,24 @@ class Engine(nn.Module):
 
     # -- checkpoints (fxstar/checkpoint.py) -----------------------------------------------------
 
+    @property
+    def step_count(self) -> int:
+        """Calls of `step()` so far (micro-steps: an optimizer step every accumulation_steps)."""
+        return self._micro_steps
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._micro_steps = value
+
+    def stateful(self) -> dict[str, Any]:
+        """What checkpoints save beside the optimizer, by name: fp16's loss scaler, an attached
+        scheduler, objects given to register_state."""
+        objects: dict[str, Any] = {}
+        if self.scaler is not None:
+            objects["loss_scaler"] = self.scaler
+        objects.update(self._registered_state)
+        return objects
+
     def attach_scheduler(self, scheduler: Any) -> Any:
         """Save and restore `scheduler` (made over `engine.optimizer`) with checkpoints. An
         explicit call, since nothing links an optimizer to its schedulers; stepping it stays

@@ -139,7 +139,7 @@ def test_step_from_two_threads_steps_one_after_the_other():
         for t in threads:
             t.join()
     assert not errors, errors
-    assert engine._micro_steps == 10
+    assert engine.step_count == 10
 
 
 def test_a_compiled_model_still_pickles_and_copies(tmp_path):
