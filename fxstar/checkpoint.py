@@ -110,21 +110,16 @@ def training_state(engine: Engine) -> dict[str, Any]:
         "optimizer": optimizer.state_dict(),
         "optimizer_params": _optimizer_names(engine, optimizer),
     }
-    for name, obj in stateful(engine).items():
+    for name, obj in engine.stateful().items():
         state[name] = obj.state_dict()
     return state
-
-
-def stateful(engine: Engine) -> dict[str, Any]:
-    """The objects saved along with the optimizer: a loss scaler, a scheduler, registered ones."""
-    return engine.stateful()
 
 
 def restore_training_state(
     engine: Engine, state: Mapping[str, Any], *, strict: bool = True, rng: bool = True
 ) -> None:
     """Put a `training_state()` back: optimizer, saved-along objects, step, then RNG last."""
-    objects = stateful(engine)
+    objects = engine.stateful()
     if strict:
         problems = [f"the checkpoint has {n!r} state but the engine has nothing to load it into"
                     for n in state if n not in RESERVED and n not in objects]  # fmt: skip

@@ -115,7 +115,7 @@ class Engine(nn.Module):
     def _forward(self, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         args, kwargs = self._compute_inputs(args, kwargs)
         self._check_model()
-        program = self.prepare(*args, **kwargs)
+        program = self._program_for(args, kwargs)
         if self.chunks is None or PLAN_KEY not in program.meta:
             output = program.run(args, kwargs)
         else:
@@ -163,7 +163,10 @@ class Engine(nn.Module):
 
     def prepare(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for these inputs, captured (and passes run) if not cached yet."""
-        args, kwargs = self._compute_inputs(args, kwargs)
+        return self._program_for(*self._compute_inputs(args, kwargs))
+
+    def _program_for(self, args: tuple, kwargs: Mapping[str, Any]) -> Program:
+        """prepare() for inputs already as the graph takes them (_compute_inputs)."""
         key = self.signature(args, kwargs)
         program = self.programs.get(key)
         if program is None:
@@ -382,6 +385,17 @@ class Engine(nn.Module):
             stepped = optimizer.step() is not False
         self.zero_grad(set_to_none=True)
         return stepped
+
+    def gradients(self) -> dict[str, torch.Tensor | None]:
+        """This step's gradient of every parameter under the model's names: parts a pass cut
+        (tiles, shards) glued back, and under bf16/fp16 read from the chunks' gradient
+        buffers (the fp32 masters users see have no `.grad` there). Collective under tensor
+        parallel: every rank gathers the shards."""
+        grads = {n: p.grad for n, p in self.store.named_parameters()}
+        if self.chunks is not None and self.chunks.low_precision:
+            slots = self.chunks.layout.slots()
+            grads.update({n: self.chunks.slot_grad(slots[n]) for n in grads if n in slots})
+        return self.store.consolidate_grads(grads)
 
     # -- checkpoints (fxstar/checkpoint.py) -----------------------------------------------------
 

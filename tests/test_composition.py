@@ -69,12 +69,7 @@ def check(model_name: str, features: tuple[str, ...], precision: str) -> None:
         assert torch.allclose(loss.float(), expected, rtol=5e-2), (loss, expected)
     else:
         assert _close(loss, expected, precision, tiled), (loss, expected)
-    chunks = engine.chunks
-    grads = {n: p.grad for n, p in engine.named_parameters()}
-    if chunks is not None and chunks.low_precision:
-        slots = chunks.layout.slots()
-        grads.update({n: chunks.slot_grad(slots[n]) for n in grads if n in slots})
-    grads = engine.store.consolidate_grads(grads)
+    grads = engine.gradients()
     for name, p in eager.named_parameters():
         assert (grads[name] is None) == (p.grad is None), name
         if p.grad is not None:

@@ -46,15 +46,6 @@ def _loss(out) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out["loss"]
 
 
-def _grad(engine, name: str, param) -> torch.Tensor | None:
-    chunks = engine.chunks
-    if chunks is not None and chunks.low_precision:  # bf16 gradients live in the chunks
-        slot = chunks.layout.slots().get(name)
-        if slot is not None:
-            return chunks.slot_grad(slot)
-    return param.grad
-
-
 def close(got: torch.Tensor, want: torch.Tensor, tol: dict) -> bool:
     if "norm" in tol:
         return close_in_norm(got, want, tol["norm"])
@@ -77,9 +68,9 @@ def check(family: str, make_plan, tol: dict) -> None:
         loss,
         expected,
     )
-    got = dict(engine.named_parameters())
+    grads = engine.gradients()
     for name, p in eager.named_parameters():
-        g = _grad(engine, name, got[name])
+        g = grads[name]
         assert (g is None) == (p.grad is None), (family, name)
         if g is not None:
             assert close(g, p.grad, tol), (family, name, (g.float() - p.grad).abs().max())

@@ -221,11 +221,6 @@ class ChunkManager:
         self._cache.clear()
         self.closed = True
 
-    def __del__(self) -> None:
-        monitor = getattr(self, "monitor", None)
-        if monitor is not None:
-            monitor._stop.set()  # the thread ends at its next tick
-
     # -- setup ----------------------------------------------------------------------------------
 
     def _make_homes(

@@ -440,16 +440,11 @@ def _compare(engine, reference, out, label: str, failures: list[str]) -> None:
     bf16/fp16 (gradients read from the chunks) the loss within 5% and each gradient within
     15% in norm."""
     expected = _loss(reference["out"])
-    chunks = engine.chunks
-    low = chunks is not None and chunks.low_precision
-    grads = {n: p.grad for n, p in engine.named_parameters()}
-    if low:
-        slots = chunks.layout.slots()
-        grads = {n: chunks.slot_grad(slots[n]) if n in slots else g for n, g in grads.items()}
+    low = engine.chunks is not None and engine.chunks.low_precision
     loss_tol = {"rtol": 5e-2, "atol": 0.0} if low else TOL
     if not torch.allclose(_loss(out).float(), expected, **loss_tol):
         failures.append(f"{label}: loss {_loss(out).item()} != {expected.item()}")
-    grads = engine.store.consolidate_grads(grads)
+    grads = engine.gradients()
     for name, ref in reference["grads"].items():
         got = grads.get(name)
         if got is None or got.shape != ref.shape:
