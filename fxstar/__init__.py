@@ -7,7 +7,7 @@ print(fxstar.dump(engine)); print(fxstar.diff(engine, "capture", "shape_memory")
 
 from fxstar import _C, passes
 from fxstar.capture import capture
-from fxstar.checkpoint import Checkpoint, CheckpointError, load
+from fxstar.saving import Checkpoint, CheckpointError, load
 from fxstar.dump import diff, draw, dump
 from fxstar.engine import Engine, compile
 from fxstar.errors import (

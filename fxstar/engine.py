@@ -397,7 +397,7 @@ class Engine(nn.Module):
             grads.update({n: self.chunks.slot_grad(slots[n]) for n in grads if n in slots})
         return self.store.consolidate_grads(grads)
 
-    # -- checkpoints (fxstar/checkpoint.py) -----------------------------------------------------
+    # -- checkpoints (fxstar/saving.py) -----------------------------------------------------
 
     @property
     def step_count(self) -> int:
@@ -428,7 +428,7 @@ class Engine(nn.Module):
     def register_state(self, name: str, obj: Any) -> Any:
         """Save `obj.state_dict()` under `name` in checkpoints; `engine.load` gives it back
         through `obj.load_state_dict`."""
-        from fxstar.checkpoint import RESERVED
+        from fxstar.saving import RESERVED
 
         if name in RESERVED:
             raise ValueError(f"register_state: {name!r} is reserved ({', '.join(RESERVED)})")
@@ -438,23 +438,23 @@ class Engine(nn.Module):
         return obj
 
     def training_state(self) -> dict[str, Any]:
-        """Step, RNG states, optimizer state and what is registered (see fxstar.checkpoint);
+        """Step, RNG states, optimizer state and what is registered (see fxstar.saving);
         `state_dict()` stays the model's, so the eager model can load it."""
-        from fxstar.checkpoint import training_state
+        from fxstar.saving import training_state
 
         return training_state(self)
 
     def save(self, path: str | os.PathLike) -> str:
         """Write a checkpoint directory (parameters in safetensors, training state in JSON and
         safetensors), replacing any previous one atomically."""
-        from fxstar.checkpoint import save
+        from fxstar.saving import save
 
         return str(save(self, path))
 
     def load(self, path: str | os.PathLike, *, strict: bool = True, rng: bool = True) -> Any:
         """Restore a checkpoint in place: parameters, optimizer, scheduler, step and RNG.
-        Returns the `fxstar.checkpoint.Checkpoint` read."""
-        from fxstar.checkpoint import load
+        Returns the `fxstar.saving.Checkpoint` read."""
+        from fxstar.saving import load
 
         checkpoint = load(path)
         checkpoint.apply(self, strict=strict, rng=rng)

@@ -40,7 +40,7 @@ from fxstar.sizes import format_size
 
 __all__ = ["DECISION_KEY", "CheckpointDecision", "CheckpointRegions", "Region", "find_regions"]
 
-DECISION_KEY = "fxstar.checkpoint"
+DECISION_KEY = "fxstar.saving"
 """Program.meta key of the CheckpointDecision."""
 
 mark_implemented("checkpoint", "checkpoint_every", "activation_memory")

@@ -28,7 +28,7 @@ from torch import fx
 
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
-from fxstar.passes.checkpoint import region_calls, region_inputs
+from fxstar.passes.activation_checkpoint import region_calls, region_inputs
 from fxstar.passes.chunk_layout import (
     LAYOUT_KEY,
     budget_bytes,

@@ -33,7 +33,7 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no cas
 class CpuEmbedding(Pass):
     name = "cpu_embedding"
     before = ("chunk_layout", "chunk_schedule")
-    after = ("tiled_linear", "checkpoint")
+    after = ("tiled_linear", "activation_checkpoint")
 
     def enabled_by(self, plan) -> bool:
         return plan.cpu_embedding

@@ -2,7 +2,7 @@
 
 Rewrites each region call of the `checkpoint` pass,
 
-    h_0 = checkpoint.run_region(checkpoint_0, dropout, ...)
+    h_0 = recompute.run_region(checkpoint_0, dropout, ...)
 into
     h_0 = offload.offload_region(activation_offload, 0, checkpoint_0, dropout, ...)
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fxstar.dump import NOTES_KEY
 from fxstar.passes import Pass, register
-from fxstar.passes.checkpoint import region_calls
+from fxstar.passes.activation_checkpoint import region_calls
 from fxstar.plan import PlanError, mark_implemented
 from fxstar.program import Program
 from fxstar.runtime.offload import ActivationOffload, offload_region
@@ -37,7 +37,7 @@ class OffloadActivations(Pass):
     """Rewrite: region calls go through the activation offloader."""
 
     name = "offload_activations"
-    requires = ("checkpoint",)
+    requires = ("activation_checkpoint",)
     before = ("chunk_layout", "chunk_schedule")
 
     def enabled_by(self, plan) -> bool:

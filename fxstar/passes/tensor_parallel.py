@@ -92,7 +92,7 @@ class TensorParallel(Pass):
     requires = ("tp_sharding",)
     after = ("tp_sharding",)
     # first among rewrites: the others (and shape_memory's measurement) see per-rank tensors
-    before = ("shape_memory", "checkpoint", "checkpoint_regions", "offload_activations",
+    before = ("shape_memory", "activation_checkpoint", "checkpoint_regions", "offload_activations",
               "tiled_linear", "chunk_layout", "chunk_schedule")  # fmt: skip
     tolerance = (1e-5, 1e-6)
 

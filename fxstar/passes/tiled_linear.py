@@ -102,7 +102,7 @@ class TiledLinear(Pass):
 
     name = "tiled_linear"
     tolerance = TOLERANCE
-    before = ("checkpoint_regions", "checkpoint", "chunk_layout", "chunk_schedule")
+    before = ("checkpoint_regions", "activation_checkpoint", "chunk_layout", "chunk_schedule")
 
     def enabled_by(self, plan) -> bool:
         return plan.tiled_linear is not None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxstar.runtime.checkpoint import run_region
+from fxstar.runtime.recompute import run_region
 from fxstar.runtime.host import host_empty
 from fxstar.sizes import format_size
 

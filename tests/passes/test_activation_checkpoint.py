@@ -12,7 +12,7 @@ from fxstar.dump import diff, dump, to_dot
 from fxstar.engine import compile
 from fxstar.live_bytes import step_peak
 from fxstar.models.gpt import GPT, GPTConfig
-from fxstar.passes.checkpoint import REGION_KEY, region_calls
+from fxstar.passes.activation_checkpoint import REGION_KEY, region_calls
 from fxstar.passes.checkpoint_regions import DECISION_KEY, find_regions
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.passes.shape_memory import META_KEY, ShapeMemory
@@ -90,11 +90,11 @@ def test_dump_shows_regions_and_their_nodes():
     args, _ = inputs(tiny_gpt)
     engine = compile(tiny_gpt(), Plan(checkpoint="blocks"), args)
     text = dump(engine)
-    assert "h_0 = checkpoint.run_region(checkpoint_0, dropout, p_h_0_ln_1_weight" in text
+    assert "h_0 = recompute.run_region(checkpoint_0, dropout, p_h_0_ln_1_weight" in text
     assert "\n        layer_norm = aten.layer_norm(dropout, [32]" in text  # the body, indented
     assert "region=checkpoint_0(h.0, " in dump(engine, "checkpoint_regions")
-    changed = diff(engine, "capture", "checkpoint", color=False)
-    assert "+    h_1 = checkpoint.run_region(checkpoint_1, h_0" in changed
+    changed = diff(engine, "capture", "activation_checkpoint", color=False)
+    assert "+    h_1 = recompute.run_region(checkpoint_1, h_0" in changed
     dot = to_dot(engine)
     assert '"h_1" -> "output"' not in dot and '"cross_entropy_loss" -> "output"' in dot
     assert "activation checkpoint: blocks: 2 of 2 regions" in engine.report()

@@ -5,7 +5,7 @@ import pytest
 from conftest import assert_same_step, example, hf_gpt2, hf_llama, tiny_gpt, tokens
 
 from fxstar.engine import compile
-from fxstar.passes.checkpoint import region_calls
+from fxstar.passes.activation_checkpoint import region_calls
 from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.plan import Plan
 from fxstar.runtime import ops
@@ -59,7 +59,7 @@ def test_every_memory_pass_together_passes_verify():
     plan = plan_for("gpt", offload_activations=True, cpu_embedding=True, tiled_linear=tiles)
     engine = compile(tiny_gpt(), plan.replace(verify=True), example_inputs=tokens())
     names = engine.pass_manager.names
-    assert names.index("checkpoint") < names.index("chunk_schedule")
+    assert names.index("activation_checkpoint") < names.index("chunk_schedule")
     assert {"cpu_embedding", "tiled_linear", "offload_activations"} <= set(names)
     engine(*tokens()).backward()
     assert engine.step()

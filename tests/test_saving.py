@@ -18,7 +18,7 @@ from conftest import tiny_gpt, tokens
 from safetensors import safe_open
 
 import fxstar
-import fxstar.checkpoint as ckpt
+import fxstar.saving as ckpt
 from fxstar.dist_launch import spawn
 from fxstar.engine import compile
 from fxstar.models.gpt import GPT, GPTConfig
@@ -364,7 +364,7 @@ def test_a_save_removes_what_killed_saves_of_its_path_left(saved, tmp_path):
     engine, _ = saved
     target = tmp_path / "ckpt"
     subprocess.run(  # a save killed while writing: its tmp dir stays behind
-        [sys.executable, "-c", "import os, sys, fxstar.checkpoint as c\n"
+        [sys.executable, "-c", "import os, sys, fxstar.saving as c\n"
          "c.write_atomically(sys.argv[1], lambda tmp: os._exit(0))", str(target)],
         check=True,
     )  # fmt: skip

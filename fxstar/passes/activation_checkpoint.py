@@ -1,9 +1,9 @@
-"""checkpoint: fuse each chosen region into a submodule run under activation checkpointing.
+"""activation_checkpoint: fuse each chosen region into a submodule run under activation checkpointing.
 
 Follows the decision of `checkpoint_regions`. The form, which later passes descend into:
 
     checkpoint_0 = self.checkpoint_0                      # get_attr of an fx.GraphModule
-    h_0 = checkpoint.run_region(checkpoint_0, dropout, p_h_0_ln_1_weight, ...)
+    h_0 = recompute.run_region(checkpoint_0, dropout, p_h_0_ln_1_weight, ...)
         <the region's nodes, printed indented under the call>
 
 - a region is a submodule `checkpoint_<i>` of the program's GraphModule whose placeholders
@@ -32,13 +32,13 @@ from fxstar.dump import NOTES_KEY
 from fxstar.passes import Pass, register
 from fxstar.passes.checkpoint_regions import DECISION_KEY, Region
 from fxstar.program import Program
-from fxstar.runtime.checkpoint import run_region
+from fxstar.runtime.recompute import run_region
 from fxstar.sizes import format_size
 
 __all__ = [
     "REGION_KEY",
     "REGION_PREFIX",
-    "Checkpoint",
+    "ActivationCheckpoint",
     "fuse_region",
     "region_calls",
     "region_of",
@@ -150,10 +150,10 @@ def _region_stack(node: fx.Node, module: str) -> dict:
 
 
 @register
-class Checkpoint(Pass):
+class ActivationCheckpoint(Pass):
     """Rewrite: each chosen region becomes a checkpointed submodule call."""
 
-    name = "checkpoint"
+    name = "activation_checkpoint"
     requires = ("checkpoint_regions",)
     after = ("tiled_linear",)
     before = ("chunk_layout", "chunk_schedule")
