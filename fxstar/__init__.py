@@ -7,7 +7,6 @@ print(fxstar.dump(engine)); print(fxstar.diff(engine, "capture", "shape_memory")
 
 from fxstar import _C, passes
 from fxstar.capture import capture
-from fxstar.saving import Checkpoint, CheckpointError, load
 from fxstar.dump import diff, draw, dump
 from fxstar.engine import Engine, compile
 from fxstar.errors import (
@@ -32,6 +31,7 @@ from fxstar.plan import (
     TiledLinearConfig,
 )
 from fxstar.program import Program, Stage
+from fxstar.saving import Checkpoint, CheckpointError, load
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,4 +1,4 @@
-"""activation_checkpoint: fuse each chosen region into a submodule run under activation checkpointing.
+"""activation_checkpoint: fuse each chosen region into a submodule recomputed in backward.
 
 Follows the decision of `checkpoint_regions`. The form, which later passes descend into:
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxstar.runtime.recompute import run_region
 from fxstar.runtime.host import host_empty
+from fxstar.runtime.recompute import run_region
 from fxstar.sizes import format_size
 
 __all__ = ["ActivationOffload", "OffloadStats", "offload_region"]
