@@ -28,10 +28,9 @@ import torch.distributed as dist
 from fxstar.errors import RankMismatchError
 from fxstar.runtime import dist as comm
 
-__all__ = ["AGREED", "RankMismatchError", "agree", "fingerprint", "mismatch_message"]
+__all__ = ["RankMismatchError", "agree", "fingerprint", "mismatch_message"]
 
 SHOWN = 8  # differing parameters listed by name; the rest are counted
-AGREED = "rank_agreement"  # Program.meta: set once the ranks agreed on this program
 
 
 # -- fingerprints ---------------------------------------------------------------------------------
@@ -211,7 +210,7 @@ def agree(program: Any, group: str | None, *, tensors: bool = True) -> None:
     """Compare this rank's plan, captured graph and (with `tensors`) the store's parameters
     and buffers with every other rank's over `group`; raise RankMismatchError on every rank if
     they differ. Pass tensors=True only while the store holds full, replicated values (an
-    engine's first compile, before any pass shards them). Marks program.meta[AGREED]."""
+    engine's first compile, before any pass shards them). Marks program.decisions.tp_agreed."""
     text = program.stages[0].text if program.stages else ""
     store = program.store if tensors else None
     mine = fingerprint(program.plan, text, store.tensors() if store is not None else None)
@@ -222,4 +221,4 @@ def agree(program: Any, group: str | None, *, tensors: bool = True) -> None:
     message = mismatch_message(prints, texts)
     if message is not None:
         raise RankMismatchError(message)
-    program.meta[AGREED] = True
+    program.decisions.tp_agreed = True

@@ -1,0 +1,39 @@
+"""What the chunk runtime counts, in one record.
+
+Residency (loads, evictions, bytes moved), the gradient copies (their time, what backward's
+end waited for) and the manager (steps) each add to the same ChunkStats; the manager's report
+and the benchmarks read it. It sits in a module of its own so that none of those owns it.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+RECENT_STEPS = 1000  # training steps whose moved bytes ChunkStats keeps one by one
+
+
+@dataclass
+class ChunkStats:
+    loads: int = 0  # host -> compute copies
+    bytes_to_compute: int = 0
+    bytes_to_host: int = 0  # gradients crossing back (cuda)
+    evictions: int = 0
+    prefetch_hits: int = 0
+    cache_hits: int = 0
+    unexpected_accesses: int = 0
+    copy_seconds: float = 0.0
+    grad_copy_seconds: float = 0.0  # gradient copies to their buffers, however they ran
+    grad_wait_seconds: float = 0.0  # of that, what backward's end still had to wait for
+    steps: int = 0
+    # bytes moved host->compute by the most recent training steps (bounded), and over all
+    per_step_bytes: collections.deque[int] = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_STEPS)
+    )
+    moved_bytes_total: int = 0
+    training_steps: int = 0
+
+    def end_step(self, moved: int) -> None:
+        self.per_step_bytes.append(moved)
+        self.moved_bytes_total += moved
+        self.training_steps += 1

@@ -1,0 +1,170 @@
+"""Gradients into the chunks' gradient buffers, copied beside backward where that pays.
+
+Autograd hands each parameter leaf's gradient to a hook as it is produced; the gradient is
+added into the chunk's gradient buffer (on the host tier, or on the compute tier for a fixed
+chunk), which the stable parameter's `.grad` views. The first gradient of a step is a copy:
+on CUDA it runs on the copy stream, on a CPU-only machine on a worker thread (off by default
+there), and backward's end waits for every copy in flight. The ChunkManager owns one
+GradAccumulator and delegates to it (composition: the copies in flight and which slots hold a
+gradient are state nothing else writes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fxstar.runtime.layout import ParamSlot
+from fxstar.runtime.residency import Residency
+
+# a copy in flight: a worker thread's future, or the CUDA events around a copy-stream copy
+PendingCopy = concurrent.futures.Future | tuple[torch.cuda.Event, torch.cuda.Event]
+
+
+class GradAccumulator:
+    """Gradients of the chunk parameters, summed into their buffers across backward passes."""
+
+    def __init__(self, residency: Residency, *, low_precision: bool, overlap: bool):
+        self.residency = residency
+        self.stable: dict[str, nn.Parameter] = residency.stable
+        self.low_precision = low_precision
+        self.overlap = overlap  # copy gradients beside backward (overlap_grad_copies)
+        self.present: set[str] = set()  # slots given a gradient since the last zero_grad
+        self._pending: list[PendingCopy] = []
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._wait_queued = False
+
+    def shutdown(self) -> None:
+        """Stop the copy thread, if one was started."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+
+    # -- the buffers ----------------------------------------------------------------------------
+
+    def grad_view(self, slot: ParamSlot) -> torch.Tensor:
+        host_grad = self.residency.chunks[slot.chunk].host_grad
+        return host_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def slot_grad(self, slot: ParamSlot) -> torch.Tensor | None:
+        """This step's gradient of a parameter, or None when it got none."""
+        if self.low_precision:
+            return self.grad_view(slot) if slot.name in self.present else None
+        return self.stable[slot.name].grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait()  # a copy in flight would land after the zeroing
+        self.present.clear()
+        for p in self.stable.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # -- accumulation ---------------------------------------------------------------------------
+
+    def hook(self, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of a parameter leaf: its gradient into the buffer."""
+        # a weak reference: the hook lives on a tensor that C++ keeps alive, and a strong one
+        # would keep the whole manager (arena, host chunks, moments) past its engine
+        accumulator = weakref.ref(self)
+
+        def hook(leaf: torch.Tensor) -> None:
+            grad, leaf.grad = leaf.grad, None
+            self = accumulator()
+            if self is not None:
+                self.add(slot, grad)
+
+        return hook
+
+    def add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        stable = self.stable[slot.name]
+        if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
+            if slot.name in self.present:
+                self.wait()
+                buffer = self.grad_view(slot)
+                buffer.add_(grad.to(buffer.device))
+            else:
+                self._copy(self.grad_view(slot), grad)
+                self.present.add(slot.name)
+        elif stable.grad is None:
+            buffer = self.grad_view(slot)
+            self._copy(buffer, grad)  # a copy: bitwise what eager stores
+            stable.grad = buffer
+        else:
+            self.wait()
+            stable.grad.add_(grad.to(stable.grad.device))
+
+    # -- the copies and their overlap -----------------------------------------------------------
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A gradient into its buffer: at once, or beside the rest of backward (overlap)."""
+        stats = self.residency.stats
+        if not self.overlap or dst.device == src.device != torch.device("cpu"):
+            start = time.perf_counter()
+            self.residency.copy(dst, src, to_host=True)
+            stats.grad_copy_seconds += time.perf_counter() - start
+            return
+        if not self._wait_queued:  # backward's end waits for every copy in flight
+            torch.autograd.Variable._execution_engine.queue_callback(self.wait)
+            self._wait_queued = True
+        if self.residency.copy_stream is not None:
+            self._pending.append(self._copy_on_stream(dst, src))
+            if dst.device != src.device:
+                stats.bytes_to_host += src.numel() * src.element_size()
+            return
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(1, "fxstar-grad-copies")
+        self._pending.append(self._copier.submit(self._timed_copy, dst, src))
+
+    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        start = time.perf_counter()
+        dst.copy_(src)
+        self.residency.stats.grad_copy_seconds += time.perf_counter() - start
+
+    def _copy_on_stream(
+        self, dst: torch.Tensor, src: torch.Tensor
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Queue a copy on the copy stream after what the compute stream has queued (which
+        produced `src`); `src` stays allocated until the copy ran."""
+        stream = self.residency.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.residency.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        src.record_stream(stream)
+        return start, end
+
+    def wait(self) -> None:
+        """Block until every gradient copy in flight is done; time what was not hidden."""
+        self._wait_queued = False
+        if not self._pending:
+            return
+        stats = self.residency.stats
+        start = time.perf_counter()
+        for item in self._pending:
+            if isinstance(item, concurrent.futures.Future):
+                item.result()
+            else:
+                item[1].synchronize()
+                stats.grad_copy_seconds += item[0].elapsed_time(item[1]) / 1e3
+        copy_stream = self.residency.copy_stream
+        if copy_stream is not None:  # later kernels may read what arrived
+            torch.cuda.current_stream(self.residency.device).wait_stream(copy_stream)
+        self._pending.clear()
+        stats.grad_wait_seconds += time.perf_counter() - start
+
+    def overlap_share(self) -> float | None:
+        """The share of gradient copy time hidden behind backward, None before any copy."""
+        st = self.residency.stats
+        if not self.overlap or st.grad_copy_seconds == 0:
+            return None
+        return max(0.0, 1.0 - st.grad_wait_seconds / st.grad_copy_seconds)

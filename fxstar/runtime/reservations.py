@@ -1,0 +1,128 @@
+"""Room on the compute tier kept for good beside the chunks: HybridAdam's device half.
+
+After a traced training step the optimizer asks how much of the budget the step never needed
+(the margin), reserves blocks of the arena for the moments of some chunks, and keeps those
+chunks on the compute tier for good (fix), so their optimizer step runs there. Composition,
+in two parts so that nothing points back: ReservedBlocks is the state (the arena blocks lent
+out), which Residency reads because reserved bytes come out of the chunks' share; Reservations
+makes the decisions and moves, through the Residency and GradAccumulator it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxstar.runtime.arena import ArenaBuffer
+from fxstar.runtime.grad_copies import GradAccumulator
+from fxstar.runtime.residency import ChunkBudgetError, ChunkState, Residency
+
+
+class ReservedBlocks:
+    """The arena blocks kept beside the chunks, by offset, in the order they were taken."""
+
+    def __init__(self, arena: ArenaBuffer):
+        self.arena = arena
+        self.offsets: list[int] = []
+
+    def bytes(self) -> int:
+        return sum(self.arena.allocator.block_size(offset) for offset in self.offsets)
+
+    def take(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new zeroed block; ArenaOutOfMemory when the arena has none that large."""
+        offset = self.arena.alloc(nbytes)
+        self.offsets.append(offset)
+        block = self.arena.buffer[offset : offset + nbytes]
+        block.zero_()
+        return block.view(dtype)
+
+    def give_back(self, count: int) -> None:
+        """Free the last `count` blocks taken."""
+        for _ in range(count):
+            self.arena.free(self.offsets.pop())
+
+
+class Reservations:
+    """How much may be kept on the compute tier, and the chunks kept there."""
+
+    def __init__(
+        self,
+        residency: Residency,
+        blocks: ReservedBlocks,
+        grads: GradAccumulator,
+        homes: dict[str, torch.Tensor],
+    ):
+        self.residency = residency
+        self.blocks = blocks
+        self.grads = grads
+        self.homes = homes  # what each stable parameter is a view of: a fixed chunk's moves
+
+    def margin(self, ratio: float) -> int:
+        """What the compute tier can spare for good, from the last traced training step: the
+        budget less the chunks in use and the activations at its fullest moment, times `ratio`
+        (PatrickStar's margin_use_ratio). 0 before a training step ran, or with a static
+        partition (nothing was traced to plan from)."""
+        residency = self.residency
+        moments = residency.tracer.training_step()
+        if residency.static_share is not None or not any(m.phase == "backward" for m in moments):
+            return 0
+        if residency.budget is None:
+            return 0  # nothing to plan a margin from
+        by_budget = residency.budget - max(m.pinned_bytes + m.nonmodel_bytes for m in moments)
+        by_arena = residency.arena.capacity - max(m.pinned_bytes for m in moments)
+        return max(int(ratio * min(by_budget, by_arena)) - self.reserved_bytes(), 0)
+
+    def reserved_bytes(self) -> int:
+        return self.blocks.bytes()
+
+    def unreserve(self, count: int) -> None:
+        """Give back the last `count` reserved blocks (a keep that could not complete)."""
+        self.blocks.give_back(count)
+
+    def reserve(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """`nbytes` of the compute tier for good, out of the chunks' share (zeroed)."""
+        self.residency.drop_unused()
+        return self.blocks.take(nbytes, dtype)  # ArenaOutOfMemory when fragmented: caller stops
+
+    def fix(self, chunk_id: int) -> None:
+        """Keep a chunk on the compute tier for good, with its gradient buffer and (bf16/fp16)
+        its fp32 master there too: its optimizer step runs there and nothing of it crosses
+        tiers again. The stable parameters become views of the compute-tier copy."""
+        residency, layout = self.residency, self.residency.layout
+        chunk = residency.chunks[chunk_id]
+        if chunk.fixed:
+            return
+        n = layout.chunk_size
+        grad = None
+        if chunk.host_grad is not None:
+            grad = self.reserve(layout.chunk_bytes, layout.dtype)
+        master = self.reserve(n * 4, torch.float32) if chunk.master is not None else None
+        if not chunk.resident:
+            residency.drop_unused()
+            offset = residency.take_block()
+            if offset is None:
+                raise ChunkBudgetError(f"no arena block left to keep chunk {chunk_id} in")
+            residency.load(chunk, offset, ChunkState.HOLD)
+        used = slice(0, chunk.used)
+        if grad is not None:
+            grad[used].copy_(chunk.host_grad[used])
+            chunk.host_grad = grad
+        home = residency.chunk_view(chunk)
+        if master is not None:
+            master[used].copy_(chunk.master[used])
+            chunk.master = home = master
+        else:  # the host home is the latest (a resident copy may predate an optimizer step)
+            home[used].copy_(chunk.host[used])
+        for slot in chunk.slots:
+            stable = residency.stable[slot.name]
+            stable.data = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            self.homes[slot.name] = stable.data
+            if stable.grad is not None:
+                stable.grad = self.grads.grad_view(slot)
+        chunk.fixed = True
+        residency.round_master(chunk)
+
+    def compute_updated(self, chunk_id: int) -> None:
+        """The optimizer wrote a fixed chunk's compute copy (and master) itself."""
+        chunk = self.residency.chunks[chunk_id]
+        chunk.updates += 1
+        chunk.loaded_versions = self.residency.versions(chunk)

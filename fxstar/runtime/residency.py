@@ -1,0 +1,410 @@
+"""Where each chunk is: the resident set on the compute tier, and the moves that change it.
+
+Residency follows one step's access plan (the order the chunk_schedule pass decided): an
+access makes room for its chunk within the share of the budget that access may use, evicting
+by Belady's rule (the resident chunk used again farthest ahead), copies the chunk in from its
+host home when it is not resident or its resident copy is stale, and then starts copying the
+next planned chunk when that fits without evicting anything (prefetch). It also hands out
+tensors viewing a resident chunk's arena memory. The ChunkManager owns one Residency and
+delegates to it (composition: the resident set, the block cache and the step's plan are state
+nothing else writes); the other collaborators reach the chunks through it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxstar.errors import FxstarError
+from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
+from fxstar.runtime.chunk_stats import ChunkStats
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
+from fxstar.runtime.tracer import MemoryTracer
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fxstar.runtime.reservations import ReservedBlocks
+
+
+class ChunkBudgetError(FxstarError, MemoryError):
+    """What one moment of the step needs does not fit the compute tier's budget."""
+
+
+class ChunkState(enum.Enum):
+    FREE = "free"  # no payload yet
+    RELEASED = "released"  # on the host tier only
+    COMPUTE = "compute"  # on the compute tier and in use: pinned
+    HOLD = "hold"  # on the compute tier, not in use (prefetched)
+    HOLD_AFTER_FWD = "hold_after_fwd"  # forward is done with it; evictable
+    HOLD_AFTER_BWD = "hold_after_bwd"  # backward is done with it; evictable
+
+
+S = ChunkState
+LEGAL: dict[ChunkState, set[ChunkState]] = {
+    S.FREE: {S.RELEASED},
+    S.RELEASED: {S.COMPUTE, S.HOLD},
+    S.COMPUTE: {S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD},
+    S.HOLD: {S.COMPUTE, S.RELEASED},
+    S.HOLD_AFTER_FWD: {S.COMPUTE, S.RELEASED},
+    S.HOLD_AFTER_BWD: {S.COMPUTE, S.RELEASED},
+}
+RESIDENT = {S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}
+
+
+@dataclass
+class Chunk:
+    id: int
+    slots: list[ParamSlot]
+    host: torch.Tensor  # chunk_size elements on the host tier: what the compute tier copies
+    host_grad: torch.Tensor | None  # gradient buffer, or None for frozen chunks
+    used: int = 0  # elements taken by parameters: only these are copied
+    master: torch.Tensor | None = None  # fp32 master when the chunks hold a lower precision
+    host_version: int = 0  # bumped when the host copy changes behind torch's back (our Adam)
+    updates: int = 0  # optimizer steps that changed its parameters (saved views go stale)
+    synced_versions: tuple[int, ...] = ()  # masters' versions when `host` was made from them
+    state: ChunkState = ChunkState.FREE
+    offset: int | None = None  # arena byte offset while resident
+    pins: int = 0
+    loaded_versions: tuple[int, ...] = ()  # host_version and stable versions when copied
+    last_access: int = -1
+    fixed: bool = False  # kept on the compute tier for good, optimizer included (fix())
+
+    def move(self, new: ChunkState) -> None:
+        if new not in LEGAL[self.state]:
+            raise RuntimeError(
+                f"chunk {self.id}: illegal state change {self.state.value} -> {new.value}"
+            )
+        self.state = new
+
+    @property
+    def resident(self) -> bool:
+        return self.state in RESIDENT
+
+    def sync_host(self, stable: Mapping[str, nn.Parameter]) -> None:
+        """Round the fp32 masters into the chunk's low-precision host copy."""
+        if self.master is None or self.fixed:  # a fixed chunk's copy is on the compute tier
+            return
+        self.host[: self.used].copy_(self.master[: self.used])
+        self.synced_versions = tuple(stable[s.name]._version for s in self.slots)
+        self.host_version += 1
+
+
+class Residency:
+    """The chunks, which of them the compute tier holds, and the step's plan it follows."""
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        chunks: list[Chunk],
+        stable: dict[str, nn.Parameter],
+        *,
+        arena: ArenaBuffer,
+        reserved: ReservedBlocks,
+        stats: ChunkStats,
+        tracer: MemoryTracer,
+        budget: int | None,
+        static_share: int | None,
+        mem_cache: int,
+        prefetch: bool,
+        copy_stream: torch.cuda.Stream | None,
+    ):
+        self.layout = layout
+        self.device = arena.device
+        self.chunks = chunks
+        self.stable = stable  # the parameters users see: their versions tell a stale copy
+        self.arena = arena
+        self.arena_elements = arena.buffer.view(layout.dtype)
+        self.reserved = reserved  # arena blocks kept beside the chunks, out of their share
+        self.stats = stats
+        self.tracer = tracer
+        self.budget = budget
+        self.static_share = static_share
+        self.cache_capacity = mem_cache
+        self.prefetch = prefetch
+        self.copy_stream = copy_stream
+        self.checking = False  # verify the residency invariants after every access (tests)
+        self.cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
+        self.plan: AccessPlan | None = None
+        self.positions: dict[int, list[int]] = {}  # each chunk's accesses in the plan
+        self.cursor = 0
+        self.recorded: list[tuple[int, str]] = []  # this step's accesses: chunk, phase
+        self.step_bytes = 0  # bytes moved host->compute in this step
+
+    def begin_step(self, plan: AccessPlan) -> None:
+        """Follow `plan` from its first access; what the last step moved is counted."""
+        for chunk in self.chunks:  # pins left by an abandoned step
+            if chunk.state is S.COMPUTE:
+                chunk.pins = 0
+                chunk.move(S.HOLD_AFTER_FWD)
+        if any(phase == "backward" for _, phase in self.recorded):  # a training step ended
+            self.stats.end_step(self.step_bytes)
+        self.step_bytes = 0
+        self.stats.steps += 1
+        self.plan = plan
+        self.positions = {}
+        for i, c in enumerate(plan.chunks):
+            self.positions.setdefault(c, []).append(i)
+        self.cursor = 0
+        self.recorded = []
+        self.tracer.begin_step()
+
+    def close(self) -> None:
+        self.cache.clear()
+
+    # -- accesses -------------------------------------------------------------------------------
+
+    def access(self, chunk_id: int, phase: str) -> Chunk:
+        """The chunk resident and in use, its copy current: the next access of the step."""
+        t = self.advance(chunk_id)
+        self.recorded.append((chunk_id, phase))
+        chunk = self.chunks[chunk_id]
+        if chunk.fixed:  # fp32: the stable parameters are its payload, never stale
+            if chunk.master is not None and self._stale(chunk):
+                self.round_master(chunk)  # someone changed the masters on the compute tier
+        elif chunk.resident and chunk.pins == 0 and self._stale(chunk):
+            self._evict(chunk, count=False)  # the host copy changed (an optimizer step)
+        if chunk.state is S.HOLD:
+            self.stats.prefetch_hits += 1
+        self._make_room(t, chunk)
+        if chunk.state is not S.COMPUTE:
+            chunk.move(S.COMPUTE)
+        chunk.last_access = t
+        pinned = sum(self.layout.chunk_bytes for c in self.chunks if c.pins or c is chunk)
+        self.tracer.record(t, phase, chunk_id, self.resident_bytes(), self.share(t), pinned)
+        if self.checking:
+            self._check(t)
+        if self.prefetch:
+            self._prefetch_after(t)
+        return chunk
+
+    def advance(self, chunk_id: int) -> int:
+        """The position of this access in the plan; unplanned accesses do not move it."""
+        positions = self.positions.get(chunk_id, [])
+        i = bisect.bisect_left(positions, self.cursor)
+        if i == len(positions):
+            self.stats.unexpected_accesses += 1
+            return min(self.cursor, max(len(self.plan) - 1, 0))
+        self.cursor = positions[i] + 1
+        return positions[i]
+
+    # -- the resident set -----------------------------------------------------------------------
+
+    def share(self, t: int) -> int:
+        """Bytes chunks may hold on the compute tier at access t."""
+        if self.static_share is not None:
+            return self.static_share
+        plan = self.plan
+        nonmodel = plan.nonmodel_bytes[t] if plan is not None and t < len(plan) else 0
+        if self.budget is None:  # no device_memory: the arena holds every chunk
+            return self.arena.capacity - self.reserved.bytes()
+        return min(self.arena.capacity, self.budget - nonmodel) - self.reserved.bytes()
+
+    def resident_bytes(self) -> int:
+        return sum(self.layout.chunk_bytes for c in self.chunks if c.resident)
+
+    def _make_room(self, t: int, chunk: Chunk) -> None:
+        """Evict until the chunks resident with `chunk` fit the share at access t (which may
+        have shrunk since the last access: activations grow), then load `chunk` if needed."""
+        need = 0 if chunk.resident else self.layout.chunk_bytes
+        while self.resident_bytes() + need > self.share(t):
+            self._evict_one(t, chunk, "every other resident chunk is in use")
+        if chunk.resident:
+            return
+        while (offset := self.take_block()) is None:
+            self._evict_one(t, chunk, "the arena has no block left")
+        self.load(chunk, offset)
+
+    def take_block(self) -> int | None:
+        """A block for one chunk: a cached one (mem_cache), else a new one from the arena."""
+        if self.cache:
+            self.stats.cache_hits += 1
+            return self.cache.pop()
+        try:
+            return self.arena.alloc(self.layout.chunk_bytes)
+        except ArenaOutOfMemory:
+            return None
+
+    def _evict_one(self, t: int, keep: Chunk, why: str) -> None:
+        victim = self._victim(t, keep)
+        if victim is None:
+            raise self._budget_error(t, why)
+        self._evict(victim)
+
+    def _victim(self, t: int, keep: Chunk) -> Chunk | None:
+        """Belady: the unpinned resident chunk used again farthest in the future."""
+        best, best_key = None, None
+        n = len(self.plan) if self.plan is not None else 0
+        for chunk in self.chunks:
+            if not chunk.resident or chunk.pins or chunk.fixed or chunk is keep:
+                continue
+            positions = self.positions.get(chunk.id, [])
+            i = bisect.bisect_right(positions, t)
+            if i < len(positions):
+                nxt = positions[i]
+            elif positions:
+                nxt = n + positions[0]  # the next step's access
+            else:
+                nxt = 2 * n + 1
+            key = (nxt, -chunk.last_access)
+            if best_key is None or key > best_key:
+                best, best_key = chunk, key
+        return best
+
+    def _evict(self, chunk: Chunk, count: bool = True) -> None:
+        # the host holds the master copy: dropping a compute copy moves no bytes
+        chunk.move(S.RELEASED)
+        if len(self.cache) < self.cache_capacity:
+            self.cache.append(chunk.offset)
+        else:
+            self.arena.free(chunk.offset)
+        chunk.offset = None
+        if count:
+            self.stats.evictions += 1
+
+    def drop_unused(self) -> None:
+        """Evict every chunk not in use and empty the block cache: room to reserve from."""
+        for chunk in self.chunks:
+            if (
+                chunk.resident
+                and not chunk.pins
+                and not chunk.fixed
+                and chunk.state is not S.COMPUTE
+            ):
+                self._evict(chunk, count=False)
+        while self.cache:
+            self.arena.free(self.cache.pop())
+
+    def _prefetch_after(self, t: int) -> None:
+        """Start copying the next planned chunk if there is room without evicting anything."""
+        plan = self.plan
+        if plan is None or t + 1 >= len(plan):
+            return
+        chunk = self.chunks[plan.chunks[t + 1]]
+        if chunk.resident or self.resident_bytes() + self.layout.chunk_bytes > self.share(t + 1):
+            return
+        offset = self.take_block()
+        if offset is not None:
+            self.load(chunk, offset, S.HOLD)
+
+    # -- copies between the tiers ---------------------------------------------------------------
+
+    def load(self, chunk: Chunk, offset: int, state: ChunkState = S.COMPUTE) -> None:
+        """Copy the chunk's host home into the arena block at `offset`."""
+        versions = self.versions(chunk)  # first: it may refresh the host copy from masters
+        chunk.offset = offset
+        self.copy(self.view(chunk, 0, (chunk.used,)), chunk.host[: chunk.used], to_host=False)
+        chunk.loaded_versions = versions
+        chunk.move(state)
+        self.stats.loads += 1
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> None:
+        """One copy between the tiers (on the copy stream on CUDA), timed and counted."""
+        start = time.perf_counter()
+        nbytes = src.numel() * src.element_size()
+        if self.copy_stream is not None and dst.device != src.device:
+            # after what the compute stream queued: it produced `src` or still reads `dst`
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+            torch.cuda.current_stream(self.device).wait_event(event)
+            if to_host:
+                event.synchronize()  # the host reads it right away
+        else:
+            dst.copy_(src)
+        self.stats.copy_seconds += time.perf_counter() - start
+        if to_host:
+            if dst.device != src.device:
+                self.stats.bytes_to_host += nbytes
+        else:
+            self.stats.bytes_to_compute += nbytes
+            self.step_bytes += nbytes
+
+    def round_master(self, chunk: Chunk) -> None:
+        """A fixed chunk's compute copy made again from its fp32 master (if it has one)."""
+        if chunk.master is not None:
+            self.view(chunk, 0, (chunk.used,)).copy_(chunk.master[: chunk.used])
+        chunk.loaded_versions = self.versions(chunk)
+
+    def versions(self, chunk: Chunk) -> tuple[int, ...]:
+        """What the chunk's copy was made from: host version and stable parameters' versions."""
+        stable = tuple(self.stable[s.name]._version for s in chunk.slots)
+        if chunk.master is not None and stable != chunk.synced_versions:
+            chunk.sync_host(self.stable)  # someone changed the masters: round them again
+        return (chunk.host_version, *stable)
+
+    def _stale(self, chunk: Chunk) -> bool:
+        return chunk.loaded_versions != self.versions(chunk)
+
+    # -- tensors of the arena -------------------------------------------------------------------
+
+    def arena_ptr(self) -> int:
+        return self.arena.buffer.untyped_storage().data_ptr()
+
+    def leaf(self, chunk: Chunk, slot: ParamSlot) -> torch.Tensor:
+        """A parameter's values in the arena as a tensor of its own: not an autograd view of
+        the arena buffer (views of a view would route their gradient to the buffer, not to
+        this leaf), and with a version counter of its own (`detach` would share the buffer's,
+        which every chunk load bumps: a custom Function handing the parameter on as-is would
+        then see its input "modified in place")."""
+        leaf = torch.empty(0, dtype=self.layout.dtype, device=self.device)
+        base = chunk.offset // self.layout.dtype.itemsize + slot.offset
+        stride = torch.empty(slot.shape, device="meta").stride()
+        return leaf.set_(self.arena_elements.untyped_storage(), base, slot.shape, stride)
+
+    def view(
+        self,
+        chunk: Chunk,
+        offset: int,
+        shape: Sequence[int],
+        stride: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Elements of a resident chunk's arena copy, from `offset` (elements) on."""
+        base = chunk.offset // self.layout.dtype.itemsize + offset
+        if stride is None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            return self.arena_elements[base : base + numel].view(shape)
+        return self.arena_elements.as_strided(shape, stride, base)
+
+    def chunk_view(self, chunk: Chunk) -> torch.Tensor:
+        """A resident chunk's compute-tier copy, all its elements."""
+        return self.view(chunk, 0, (self.layout.chunk_size,))
+
+    # -- invariants -----------------------------------------------------------------------------
+
+    def _check(self, t: int) -> None:
+        """The compute tier never holds more than its share: by the arena, and by a sum over
+        the chunks resident on it."""
+        resident = self.resident_bytes()
+        in_arena = (
+            self.arena.stats()["in_use"]
+            - len(self.cache) * self.arena.allocator.round_up(self.layout.chunk_bytes)
+            - self.reserved.bytes()
+        )
+        if in_arena != sum(
+            self.arena.allocator.block_size(c.offset) for c in self.chunks if c.resident
+        ):
+            raise AssertionError(f"access {t}: arena bookkeeping disagrees with resident chunks")
+        if resident > self.share(t):
+            raise AssertionError(
+                f"access {t}: {resident} bytes of chunks resident, share {self.share(t)}"
+            )
+
+    def _budget_error(self, t: int, why: str) -> ChunkBudgetError:
+        pinned = [c.id for c in self.chunks if c.pins]
+        return ChunkBudgetError(
+            f"chunk budget exceeded at access {t} ({why}): chunks {pinned} are in use, "
+            f"{self.layout.chunk_bytes:,} bytes each; the share there is {self.share(t):,} "
+            f"of device_memory {self.budget or self.arena.capacity:,} bytes. Use a smaller "
+            "chunk_size, checkpointing, or a larger device_memory."
+        )
