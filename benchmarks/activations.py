@@ -31,8 +31,6 @@ import torch
 import fxstar
 from fxstar.live_bytes import step_peak
 from fxstar.models.gpt import GPT, GPTConfig
-from fxstar.passes.checkpoint_regions import DECISION_KEY
-from fxstar.passes.offload_activations import META_KEY as OFFLOAD_KEY
 from fxstar.sizes import format_size
 
 TARGET_BLOCK_CUT, TARGET_STEP, TARGET_AUTO = 4.0, 1.4, 0.10
@@ -94,14 +92,14 @@ def saved_bytes(fn, model, inputs) -> tuple[int, dict[str, int]]:
 
 def block_saved(engine: fxstar.Engine) -> int:
     """Saved bytes of the blocks in the rewritten graph's run (shape_memory re-run on it)."""
-    from fxstar.passes.shape_memory import META_KEY, ShapeMemory
+    from fxstar.passes.shape_memory import ShapeMemory
 
     program = engine.program
-    keep = program.meta.get(META_KEY)
+    keep = program.decisions.shape_memory
     ShapeMemory()(program)
-    report = program.meta[META_KEY]
+    report = program.decisions.shape_memory
     if keep is not None:
-        program.meta[META_KEY] = keep
+        program.decisions.shape_memory = keep
     return sum(m.saved_bytes for b, m in report.blocks.items() if b.startswith("h."))
 
 
@@ -148,10 +146,10 @@ def engine_row(name: str, plan: fxstar.Plan, model, inputs, args) -> tuple[Row, 
     row.block_saved_bytes = block_saved(engine)
     row.largest_weight = largest_weight(engine)
     row.min_device_memory = min_device_memory(plan, args)
-    decision = engine.program.meta.get(DECISION_KEY)
+    decision = engine.program.decisions.checkpoint_regions
     if decision is not None and decision.mode == "auto":
         row.note = decision.summary()
-    offload = engine.program.meta.get(OFFLOAD_KEY)
+    offload = engine.program.decisions.offload_activations
     if offload is not None:
         offload.reset_stats()
         step(engine, model, inputs)

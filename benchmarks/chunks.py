@@ -21,7 +21,6 @@ from gpt_setup import add_gpt_args, make_gpt
 
 import fxstar
 from fxstar.passes.chunk_layout import nonmodel_peak
-from fxstar.passes.chunk_schedule import PLAN_KEY
 
 TARGET_FULL_RATIO, TARGET_MOVED_RATIO = 1.05, 1.1
 
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for share, (engine, _, budget) in engines.items():
         manager = engine.chunks
-        plan = engine.program.meta[PLAN_KEY].access
+        plan = engine.program.decisions.chunk_plan.access
         chunk_bytes = manager.layout.chunk_bytes
         capacity = [manager.share(t) // chunk_bytes for t in range(len(plan))]
         manager._plan = plan  # share() reads the plan's per-moment bytes

@@ -1,7 +1,9 @@
 """A pass written outside fxstar: annotate every linear with its forward FLOPs.
 
 Registered with `@fxstar.passes.register`, listed in `plan.passes` by name, ordered after
-the built-in `shape_memory`; its notes show in `fxstar.dump` and `fxstar.diff`.
+the built-in `shape_memory` (both in the `analyse` phase); its notes (`fxstar.note`) show in
+`fxstar.dump` and `fxstar.diff`, its decision is `program.decisions.custom["linear_flops"]`.
+A pass that rewrites the graph: examples/rewrite_pass.py.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fxstar import passes
-from fxstar.dump import NOTES_KEY, diff, dump
+from fxstar.dump import diff, dump, note
 from fxstar.program import Program
 
 
@@ -21,26 +23,22 @@ def linear_flops(program: Program) -> Program:
         if node.target is torch.ops.aten.linear.default:
             x, w = node.args[0].meta["val"], node.args[1].meta["val"]
             flops = 2 * x.numel() * w.shape[0]
-            node.meta.setdefault(NOTES_KEY, {})["flops"] = f"{flops:,}"
+            note(node, "flops", f"{flops:,}")
             total += flops
-    program.meta["linear_flops"] = total
+    program.decisions.custom["linear_flops"] = total
     return program
 
 
 def main() -> None:
     from fxstar.engine import compile
-    from fxstar.models.gpt import GPT, GPTConfig
+    from fxstar.models.gpt import tiny
     from fxstar.plan import Plan
 
-    torch.manual_seed(0)
-    cfg = GPTConfig()
-    model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
-    targets = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    model, (idx, targets) = tiny()
     engine = compile(model, Plan(passes=["linear_flops", "shape_memory"]), (idx, targets))
     print(dump(engine, "linear_flops"))
     print(diff(engine, "shape_memory", "linear_flops"))
-    print(f"linear FLOPs per forward: {engine.program.meta['linear_flops']:,}")
+    print(f"linear FLOPs per forward: {engine.program.decisions.custom['linear_flops']:,}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ print(fxstar.dump(engine)); print(fxstar.diff(engine, "capture", "shape_memory")
 
 from fxstar import _C, passes
 from fxstar.capture import capture
-from fxstar.dump import diff, draw, dump
+from fxstar.dump import diff, draw, dump, note
 from fxstar.engine import Engine, compile
 from fxstar.errors import (
     CaptureError,
@@ -63,6 +63,7 @@ __all__ = [
     "diff",
     "draw",
     "dump",
+    "note",
     "load",
     "passes",
 ]

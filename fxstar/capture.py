@@ -27,7 +27,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from fxstar.errors import CaptureError
 from fxstar.program import EXPORT, SYMBOLIC_TRACE, InputSlot, ParamInfo, Program, buffers_restored
 
-__all__ = ["LossWrapper", "capture"]
+__all__ = ["LossWrapper", "capture", "is_meta"]
 
 _KINDS = {
     InputKind.PARAMETER: "parameter",
@@ -82,7 +82,7 @@ def capture(
     else:
         raise ValueError(f"method must be {EXPORT!r} or {SYMBOLIC_TRACE!r}, got {method!r}")
     program.refresh_param_uses()
-    program.record("capture")
+    program.record("capture", by="capture")
     program.timings["capture"] = time.perf_counter() - start
     return program
 
@@ -94,10 +94,8 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
     args, kwargs = _distinct_tensors(args, kwargs)
     start = time.perf_counter()
     try:
-        with _autograd_functions() as functions:
-            ep = torch.export.export(
-                root, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
-            )
+        with _autograd_functions() as functions, _meta_as_fake(root, args, kwargs) as traced:
+            ep = torch.export.export(root, *traced, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # noqa: BLE001 - any failure becomes a CaptureError
         raise _capture_error(error, root, prefix) from error
     export_seconds = time.perf_counter() - start
@@ -156,6 +154,49 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
         model, [(s.node, s.target) for s in inputs if s.kind == "parameter"]
     )
     return program
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Is any parameter or buffer of `model` on the meta device (built without storage)?"""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+@contextlib.contextmanager
+def _meta_as_fake(root: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+    """Trace a model built on the meta device: while export runs, its meta parameters and
+    buffers are fake tensors that say they live where the inputs do (one FakeTensorMode with
+    the inputs), so nothing of the model's size is allocated and no op sees two devices.
+    A model with real tensors is traced as it is."""
+    if not is_meta(root):
+        yield args, kwargs
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    swapped: list[tuple[dict, str, Any]] = []
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    try:
+        for module in root.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    swapped.append((table, name, t))
+                    value = fake(t)
+                    if isinstance(t, nn.Parameter):
+                        value = nn.Parameter(value, requires_grad=t.requires_grad)
+                    table[name] = value
+        with mode:
+            yield pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+    finally:
+        for table, name, t in reversed(swapped):
+            table[name] = t
 
 
 @contextlib.contextmanager

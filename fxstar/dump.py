@@ -20,10 +20,17 @@ from torch import fx
 if TYPE_CHECKING:
     from fxstar.program import Program
 
-__all__ = ["NOISE", "NOTES_KEY", "diff", "draw", "dump", "format_graph", "to_dot"]
+__all__ = ["NOISE", "NOTES_KEY", "diff", "draw", "dump", "format_graph", "note", "to_dot"]
 
 NOTES_KEY = "fxstar_notes"
 """node.meta key of a dict {label: value} that analysis passes want shown in dumps."""
+
+
+def note(node: fx.Node, label: str, text: Any) -> None:
+    """Show `label=text` after `node` in dumps and diffs (`fxstar.note`): how a pass says
+    what it decided about a node. A later note under the same label replaces the earlier."""
+    node.meta.setdefault(NOTES_KEY, {})[label] = str(text)
+
 
 NOISE = frozenset(
     {

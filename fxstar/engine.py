@@ -26,16 +26,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxstar import meta_model
 from fxstar.capture import capture
-from fxstar.errors import EngineStateError
+from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
 from fxstar.params import ParameterStore
-from fxstar.passes import PassManager, load_builtins, passes_for
-from fxstar.passes.chunk_layout import LAYOUT_KEY, check_chunk_options
-from fxstar.passes.chunk_schedule import PLAN_KEY
-from fxstar.passes.shape_memory import META_KEY
+from fxstar.passes import PassManager, passes_for
+from fxstar.passes import implemented_options as pass_options
+from fxstar.passes.chunk_layout import check_chunk_options
 from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
-from fxstar.plan import PlanError, mark_implemented
+from fxstar.plan import PlanError
 from fxstar.program import EXPORT, Program
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
@@ -47,11 +47,17 @@ from fxstar.verify import Verifier
 
 __all__ = ["Engine", "compile"]
 
-OBSERVED_KEY = "chunk_plan.observed"  # Program.meta: what the traced step measured
 REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan is refined
 
-# the engine runs mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
-mark_implemented("precision", "loss_scale", "hybrid_adam", "margin_use_ratio")
+# the plan options the engine itself implements (the passes declare theirs): the optimizer,
+# verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
+ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed",
+                  "precision", "loss_scale", "hybrid_adam", "margin_use_ratio")  # fmt: skip
+
+
+def implemented_options() -> set[str]:
+    """Every plan option with a feature behind it: the engine's and every registered pass's."""
+    return set(ENGINE_OPTIONS) | pass_options()
 
 
 class _CaptureCheck:
@@ -71,11 +77,25 @@ class Engine(nn.Module):
         *,
         dynamic_shapes: Any = None,
         method: str = EXPORT,
+        weights: meta_model.Weights = None,
     ):
         super().__init__()
         # Not a registered submodule: parameter and state_dict names stay the model's own.
         object.__setattr__(self, "model", model)
         self.plan = plan
+        # a model built on the meta device: its weights are written once the chunks exist
+        self._weights = weights
+        self._unfilled_buffers: list[str] = []
+        if meta_model.is_meta(model):
+            meta_model.check_plan(model, plan, weights)
+            self._unfilled_buffers = meta_model.give_buffers_storage(model)
+        elif weights is not None:
+            raise UsageError(
+                "weights= gives a model built on the meta device its values; this model has "
+                "them already (load others with model.load_state_dict before compile, or "
+                "engine.load)"
+            )
+        self._weights_line: str | None = None
         self.dynamic_shapes = dynamic_shapes
         self.method = method
         self.pass_manager = PassManager(passes_for(plan))
@@ -116,11 +136,11 @@ class Engine(nn.Module):
         args, kwargs = self._compute_inputs(args, kwargs)
         self._check_model()
         program = self._program_for(args, kwargs)
-        if self.chunks is None or PLAN_KEY not in program.meta:
+        if self.chunks is None or program.decisions.chunk_plan is None:
             output = program.run(args, kwargs)
         else:
             self._refine_plans()
-            with self.chunks.running(program.meta[PLAN_KEY]):
+            with self.chunks.running(program.decisions.chunk_plan):
                 output = program.run(args, kwargs)
         if self.traced is not self.model:
             self._mirror_buffers()
@@ -213,6 +233,7 @@ class Engine(nn.Module):
             check(_CaptureCheck(), program)
         program = self.pass_manager.run(program, check=check)
         self._setup_chunks(program)
+        self._fill_weights()
         for runtime in ops.runtimes(program.graph_module):
             runtime.manager = self.chunks  # the graph calls this engine's manager, no other
         self._fed = [
@@ -259,7 +280,7 @@ class Engine(nn.Module):
         """Once per engine, after the chunk passes: the ChunkManager takes the parameters over.
         The model's parameters become the stable views of the chunks' host homes, so the model,
         the engine and any optimizer keep seeing one set of tensors."""
-        if LAYOUT_KEY not in program.meta or self.chunks is not None:
+        if program.decisions.chunk_layout is None or self.chunks is not None:
             return
         # fp32 masters: the model's own parameters, and the parts a pass cut from one (tiles,
         # a rank's shard) cut the same way from it: never a full tensor where a part is fed,
@@ -281,6 +302,21 @@ class Engine(nn.Module):
                     owner, _, attr = alias.rpartition(".")
                     setattr(self.model.get_submodule(owner), attr, stable)
 
+    def _fill_weights(self) -> None:
+        """Once, for a model built on the meta device: its parameters are views of their chunk
+        homes now; write their values there (and the buffers'), then the low-precision copies
+        follow."""
+        if self._weights is None or self._weights_line is not None or self.chunks is None:
+            return
+        self._weights_line = meta_model.fill(self.model, self._weights, self._unfilled_buffers)
+        self.chunks.masters_written()
+        if self.traced is not self.model:  # the low-precision copy's buffers, from the model's
+            own = dict(self.model.named_buffers())
+            with torch.no_grad():
+                for name, buffer in self.traced.named_buffers():
+                    buffer.copy_(own[name])
+                    self._buffer_values[name] = buffer.clone()
+
     def _chunk_manager(
         self,
         program: Program,
@@ -289,7 +325,7 @@ class Engine(nn.Module):
     ) -> ChunkManager:
         """The manager the program's ChunkPlan decides, with the plan's run-time knobs."""
         return ChunkManager.from_plan(
-            program.meta[PLAN_KEY], tensors, masters=masters,
+            program.decisions.chunk_plan, tensors, masters=masters,
             monitor=self.plan.async_mem_monitor,
             overlap_grad_copies={"on": True, "off": False}.get(self.plan.overlap_grad_copies),
         )  # fmt: skip
@@ -303,15 +339,15 @@ class Engine(nn.Module):
             return
         compiled, observed = observation
         for program in self.programs.values():
-            if program.meta.get(PLAN_KEY) is compiled:
-                program.meta[PLAN_KEY] = compiled.refined(observed)
-                program.meta[OBSERVED_KEY] = observed
-                program.record(REFINED_STAGE)
+            if program.decisions.chunk_plan is compiled:
+                program.decisions.chunk_plan = compiled.refined(observed)
+                program.decisions.chunk_observed = observed
+                program.record(REFINED_STAGE, by="engine")
 
     def _run_for_verify(self, program: Program, args: tuple, kwargs: dict, tensors: dict) -> Any:
         """plan.verify runs a chunked stage under a manager of its own, made from the
         verifier's copies; the names it trains are rebound so their gradients are found."""
-        plan = program.meta.get(PLAN_KEY)
+        plan = program.decisions.chunk_plan
         if plan is None:
             return program.run(args, kwargs, tensors=tensors)
         manager = self._chunk_manager(program, tensors)
@@ -559,16 +595,18 @@ class Engine(nn.Module):
             f"tensors ({tied} tied aliases), {format_size(program.param_bytes)}"
         )
         lines.append(f"captures: {len(self.programs)} (one per input signature and mode)")
-        lines.append("passes: " + (", ".join(self.pass_manager.names) or "none"))
+        lines.append("passes run: " + (", ".join(program.passes_run()) or "none"))
         lines.append(
             "compile time: "
             + ", ".join(f"{name} {seconds:.2f}s" for name, seconds in program.timings.items())
         )
         lines.append(self._optimizer_line())
+        if self._weights_line is not None:
+            lines.append(self._weights_line)
         if self.chunks is not None:
             lines.append(self.chunks.report())
-            lines.append(program.meta[PLAN_KEY].describe().splitlines()[0])
-            observed = program.meta.get(OBSERVED_KEY)
+            lines.append(program.decisions.chunk_plan.describe().splitlines()[0])
+            observed = program.decisions.chunk_observed
             if observed is not None:
                 lines.append(f"observed in the first traced step: {observed.describe()}")
         if self.scaler is not None:
@@ -576,13 +614,13 @@ class Engine(nn.Module):
                 f"fp16 loss scale {self.scaler.scale:g}; {self.scaler.skipped_steps} steps "
                 "skipped for overflow"
             )
-        report = program.meta.get(META_KEY)
+        report = program.decisions.shape_memory
         if report is not None:
             lines.append(report.format())
         else:
             lines.append("activation memory: add 'shape_memory' to plan.passes to measure it")
         # what passes want reported: strings, or callables read now (run-time counters)
-        for line in program.meta.get("report_lines", []):
+        for line in program.decisions.report_lines:
             lines.append(line() if callable(line) else str(line))
         return "\n".join(lines)
 
@@ -745,21 +783,23 @@ def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
     *,
     dynamic_shapes: Any = None,
     method: str = EXPORT,
+    weights: meta_model.Weights = None,
 ) -> Engine:
     """Compile `model` under `plan` (default `Plan()`) into an Engine.
 
     With example inputs, capture and passes run now (errors surface here); otherwise at the
-    first call. A single tensor counts as a one-element tuple.
+    first call. A single tensor counts as a one-element tuple. A model built on the meta
+    device gets its values from `weights` once the chunks hold its parameters: a safetensors
+    file or directory, 'init', or a function of one module (see fxstar/meta_model.py).
     """
     from fxstar.plan import Plan
 
     plan = Plan() if plan is None else plan
-    load_builtins()  # passes mark the plan options they implement when imported
-    plan.check_implemented()
+    plan.check_implemented(implemented_options())
     check_chunk_options(plan)
     if plan.seed is not None:
         torch.manual_seed(plan.seed)
-    engine = Engine(model, plan, dynamic_shapes=dynamic_shapes, method=method)
+    engine = Engine(model, plan, dynamic_shapes=dynamic_shapes, method=method, weights=weights)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if example_inputs or example_kwargs:

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxstar.passes import ensure_fresh
 from fxstar.passes.chunk_layout import (
-    LAYOUT_KEY,
-    NEED_KEY,
     BudgetNeed,
     budget_need,
     layout_needs,
-    measure,
     nonmodel_peak,
     smallest_need,
 )
-from fxstar.passes.chunk_schedule import PLAN_KEY
-from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.sizes import format_size
 
@@ -47,7 +43,7 @@ def training_memory(program: Program) -> list[EstimateRow]:
     kind = plan.optimizer.type
     words = STATE_WORDS.get(kind, 2)
     rows.append(EstimateRow("optimizer state", trainable * 4 * words, f"{kind}: {words} x fp32"))
-    report = program.meta.get(META_KEY)
+    report = program.decisions.shape_memory
     if report is not None:
         rows.append(EstimateRow("activations saved", report.saved_bytes, "for backward"))
         rows.append(EstimateRow("largest backward temporary", report.largest_backward,
@@ -62,7 +58,7 @@ def format_estimate(program: Program) -> str:
     lines = ["training memory estimate (one step, no memory passes):"]
     for r in rows:
         lines.append(f"  {r.kind:<{width}}  {format_size(r.nbytes):>12}  {r.note}")
-    if program.meta.get(META_KEY) is None:
+    if program.decisions.shape_memory is None:
         lines.append("  (activations not measured: the shape_memory pass did not run)")
     else:
         lines.append(estimate(program).format())
@@ -93,11 +89,12 @@ def estimate(program: Program) -> Estimate:
     """From what chunk_layout found (the first capture), from the access plan of a layout
     already fixed (later captures), or, for a plan without chunks, by asking the same search
     (activations measured first if no shape_memory ran on the graph as it is)."""
-    need = program.meta.get(NEED_KEY)
-    if need is None and PLAN_KEY in program.meta:
-        need = budget_need(program.plan, program.meta[PLAN_KEY].access, program.meta[LAYOUT_KEY])
+    decided = program.decisions
+    need = decided.budget_need
+    if need is None and decided.chunk_plan is not None:
+        need = budget_need(program.plan, decided.chunk_plan.access, decided.chunk_layout)
     if need is None:
-        measure(program)
+        ensure_fresh(program, "shape_memory")
         need = smallest_need(layout_needs(program))
     return Estimate(nonmodel_peak(program), program.param_bytes, need.device_memory,
                     need.chunk_size, need)  # fmt: skip

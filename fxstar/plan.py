@@ -18,7 +18,7 @@ import json
 import math
 import os
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -26,14 +26,13 @@ from fxstar.errors import OptionNotImplementedError, PlanError
 from fxstar.sizes import Share, Size, format_size, parse_size
 
 __all__ = [
-    "IMPLEMENTED",
     "LossScaleConfig",
     "OptimizerConfig",
     "Plan",
     "PlanError",
     "TensorParallelConfig",
     "TiledLinearConfig",
-    "mark_implemented",
+    "check_option_names",
     "option_names",
 ]
 
@@ -715,9 +714,13 @@ class Plan:
         """Raise NotImplementedError naming every used option whose feature does not exist yet.
 
         An option counts as implemented if its name, or the name of its group, is in
-        `implemented` (default: the module's IMPLEMENTED). Defaults never count as used.
+        `implemented` (default: what the engine and the registered passes declare,
+        `fxstar.engine.implemented_options()`). Defaults never count as used.
         """
-        implemented = IMPLEMENTED if implemented is None else implemented
+        if implemented is None:
+            from fxstar.engine import implemented_options  # the engine imports this module
+
+            implemented = implemented_options()
         missing = [
             name for name in self.used_options()
             if name not in implemented and name.split(".")[0] not in implemented
@@ -796,16 +799,9 @@ def _all_option_names() -> list[str]:
 _SIZE_OPTIONS = ("device_memory", "host_memory", "activation_memory")
 
 
-# ---------------------------------------------------------------------------------------------
-# Which options have a feature behind them. Later issues call mark_implemented when they land.
-
-IMPLEMENTED: set[str] = {"optimizer", "passes", "verify", "loss_fn", "seed"}
-
-
-def mark_implemented(*names: str) -> None:
-    """Declare options (top-level or dotted, like 'loss_scale.hysteresis') as implemented."""
+def check_option_names(names: Iterable[str], owner: str) -> None:
+    """Refuse a misspelt option name where a pass or the engine declares what it implements."""
     known = _all_option_names()
     for name in names:
         if name not in known:
-            raise _unknown(name, known)
-    IMPLEMENTED.update(names)
+            raise PlanError(f"{owner} declares an {_unknown(name, known)}")

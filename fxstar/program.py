@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from fxstar.decisions import Decisions
 from fxstar.params import ParameterStore
 
 __all__ = ["InputSlot", "ParamInfo", "Program", "Stage"]
@@ -27,12 +28,14 @@ SYMBOLIC_TRACE = "symbolic_trace"
 
 @dataclass
 class Stage:
-    """One step of a Program's history: the pass that produced it and the printed graph."""
+    """One step of a Program's history: the pass that produced it and the printed graph.
+    `by` is what made it: 'pass', 'capture', or 'engine' (a record of the engine's own)."""
 
     name: str
     text: str
     after: tuple[str, ...] = ()
     graph_module: fx.GraphModule | None = None
+    by: str = "pass"
 
 
 @dataclass
@@ -102,7 +105,8 @@ class Program:
     example_kwargs: dict[str, Any] = field(default_factory=dict)
     training: bool = True
     stages: list[Stage] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
+    # what each pass decided, one typed attribute per pass (fxstar.decisions)
+    decisions: Decisions = field(default_factory=Decisions)
     # seconds spent per compile phase: "export", then "capture" (all of capture), then each pass
     timings: dict[str, float] = field(default_factory=dict)
     # what parameter/buffer placeholders are fed from; the Engine's store, shared by its
@@ -148,9 +152,13 @@ class Program:
         return {slot.node: slot for slot in self.inputs}
 
     def refresh_param_uses(self) -> None:
-        """Recompute first/last use of every parameter (call after rewriting the graph)."""
+        """Recompute first/last use of every parameter (the PassManager calls it after each
+        rewrite). Once the chunks own the parameters (their placeholders are gone) the table
+        keeps the uses and the order it had last."""
         order = {node: i for i, node in enumerate(self.graph_module.graph.nodes)}
         by_name = {node.name: node for node in order}
+        if any(not any(p in by_name for p in info.placeholders) for info in self.params):
+            return
         for info in self.params:
             users = [u for p in info.placeholders if p in by_name for u in _uses(by_name[p])]
             users = [u for u in users if u.op != "output"]
@@ -163,7 +171,7 @@ class Program:
 
     # -- history --------------------------------------------------------------------------------
 
-    def record(self, name: str, *, keep_graph: bool = False) -> Stage:
+    def record(self, name: str, *, keep_graph: bool = False, by: str = "pass") -> Stage:
         """Print the graph as it is now and append it to the history as stage `name`."""
         from fxstar.dump import format_graph  # printing lives with dump; imported late
 
@@ -172,9 +180,15 @@ class Program:
             text=format_graph(self),
             after=tuple(s.name for s in self.stages),
             graph_module=_snapshot(self.graph_module) if keep_graph else None,
+            by=by,
         )
         self.stages.append(stage)
         return stage
+
+    def passes_run(self) -> list[str]:
+        """The passes that ran, in order, an analysis as often as the manager ran it (a rewrite
+        made it stale for a pass that needs it fresh)."""
+        return [s.name for s in self.stages if s.by == "pass"]
 
     def stage(self, key: int | str | None = None) -> tuple[int, Stage]:
         """(index, stage) for an index, a pass name (its latest stage), or None (the last)."""
@@ -194,6 +208,14 @@ class Program:
         raise LookupError(f"no stage named {key!r}; stages: {names}")
 
     # -- running --------------------------------------------------------------------------------
+
+    def compute_device(self) -> torch.device:
+        """Where the graph computes: its example inputs' device, else its parameters' (a model
+        built on the meta device computes where its inputs are)."""
+        leaves = pytree.tree_leaves((self.example_args, self.example_kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors += [t for t in self.model_tensors().values() if not t.is_meta]
+        return tensors[0].device if tensors else torch.device("cpu")
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors fed by name: the store's, else the model's parameters and buffers

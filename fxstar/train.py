@@ -180,7 +180,7 @@ def _compile(model, plan: Plan, args: tuple, kwargs: dict, result: TrainResult):
     start = time.perf_counter()
     engine = compile(model, plan, example_inputs=args, example_kwargs=kwargs)  # captures now
     result.compile_seconds = time.perf_counter() - start
-    passes = ", ".join(engine.pass_manager.names) or "none"
+    passes = ", ".join(engine.program.passes_run()) or "none"
     print(f"compiled in {result.compile_seconds:.1f}s; passes: {passes}")
     return engine
 

@@ -6,7 +6,7 @@ from conftest import BATCH, SEQ, VOCAB, tiny_gpt, tokens
 
 import fxstar
 from fxstar.estimate import estimate, format_estimate, training_memory
-from fxstar.passes.chunk_layout import LAYOUT_KEY, NEED_KEY, ChunkLayoutError, nonmodel_peak
+from fxstar.passes.chunk_layout import ChunkLayoutError, nonmodel_peak
 from fxstar.sizes import format_size
 
 
@@ -57,9 +57,9 @@ def test_a_later_capture_is_estimated_on_the_layout_already_chosen():
     ids, targets = tokens()
     chunked(ids, targets).backward()
     later = chunked.prepare(ids, targets)
-    assert NEED_KEY not in later.meta
+    assert later.decisions.budget_need is None
     need = estimate(later).need
-    assert need.chunk_size == later.meta[LAYOUT_KEY].chunk_size
+    assert need.chunk_size == later.decisions.chunk_layout.chunk_size
     assert need.device_memory <= budget
 
 

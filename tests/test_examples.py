@@ -35,5 +35,20 @@ def test_custom_pass_shows_in_dump_and_diff(capsys):
         assert "+++ stage 2: linear_flops" in out
         assert "flops=131,072 @head" in out
         assert "linear FLOPs per forward: 1,703,936" in out
+        assert passes.get("linear_flops").phase == "analyse"
     finally:
         passes.unregister("linear_flops")
+
+
+def test_rewrite_pass_is_ordered_by_phase_and_verified(capsys):
+    module = _load("rewrite_pass")
+    try:
+        module.main()
+        out = capsys.readouterr().out
+        assert "passes: tanh_gelu, checkpoint_regions, activation_checkpoint" in out
+        # the rewrite made shape_memory stale: the manager measured again before the regions
+        assert "stages: capture, tanh_gelu, shape_memory, checkpoint_regions, " in out
+        assert "+    gelu = aten.gelu(linear_2, approximate='tanh')" in out
+        assert "rewritten: 2 GELUs" in out
+    finally:
+        passes.unregister("tanh_gelu")

@@ -5,14 +5,12 @@ import pytest
 
 from fxstar import plan as plan_module
 from fxstar.plan import (
-    IMPLEMENTED,
     LossScaleConfig,
     OptimizerConfig,
     Plan,
     PlanError,
     TensorParallelConfig,
     TiledLinearConfig,
-    mark_implemented,
     option_names,
 )
 from fxstar.sizes import Share
@@ -404,16 +402,32 @@ def test_check_implemented():
     Plan(loss_scale={"hysteresis": 3}).check_implemented({"loss_scale.hysteresis"})
 
 
-def test_mark_implemented(monkeypatch):
-    monkeypatch.setattr(plan_module, "IMPLEMENTED", set(IMPLEMENTED))
+def test_a_registered_pass_declares_the_options_it_implements():
+    from fxstar import passes
+
+    class FakeDist(passes.Pass):
+        name = "t_fake_dist"
+        implements = ("fake_dist", "loss_scale.hysteresis")
+
     plan = Plan(fake_dist=True)
     with pytest.raises(NotImplementedError, match="fake_dist"):
         plan.check_implemented()
-    plan_module.mark_implemented("fake_dist", "loss_scale.hysteresis")
-    plan.check_implemented()
-    with pytest.raises(PlanError, match="did you mean 'fake_dist'"):
-        mark_implemented("fake_dst")
-    assert "fake_dist" not in IMPLEMENTED  # the real registry was not touched
+    passes.register(FakeDist)
+    try:
+        plan.check_implemented()
+        Plan(loss_scale={"hysteresis": 3}).check_implemented()
+    finally:
+        passes.unregister("t_fake_dist")
+    with pytest.raises(NotImplementedError, match="fake_dist"):
+        plan.check_implemented()  # gone with its pass
+
+    class Misspelt(passes.Pass):
+        name = "t_misspelt"
+        implements = ("fake_dst",)
+
+    with pytest.raises(PlanError, match="pass 't_misspelt'.*did you mean 'fake_dist'"):
+        passes.register(Misspelt)
+    assert "t_misspelt" not in passes.registered()
 
 
 def test_describe_lists_every_option():
@@ -483,13 +497,12 @@ def test_readme_lists_exactly_the_refused_options():
     import pathlib
     import re
 
-    import fxstar.engine  # noqa: F401 - marks the options the engine implements
-    from fxstar.passes import load_builtins
+    from fxstar.engine import implemented_options
 
-    load_builtins()  # each pass marks its options when imported
+    implemented = implemented_options()
     refused = [
         name for name in plan_module._all_option_names()
-        if name not in IMPLEMENTED and name.split(".")[0] not in IMPLEMENTED
+        if name not in implemented and name.split(".")[0] not in implemented
     ]  # fmt: skip
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
     listed = re.search(r"`NotImplementedError` when used\s+\(today: ([^)]*)\)", readme)

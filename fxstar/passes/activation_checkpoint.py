@@ -28,9 +28,9 @@ import operator
 
 from torch import fx
 
-from fxstar.dump import NOTES_KEY
+from fxstar.dump import NOTES_KEY, note
 from fxstar.passes import Pass, register
-from fxstar.passes.checkpoint_regions import DECISION_KEY, Region
+from fxstar.passes.checkpoint_regions import Region
 from fxstar.program import Program
 from fxstar.runtime.recompute import run_region
 from fxstar.sizes import format_size
@@ -115,7 +115,7 @@ def fuse_region(program: Program, region: Region, name: str) -> fx.Node:
     saved = f"{format_size(region.saved_bytes)} -> {format_size(region.keep_bytes)}"
     call.meta[NOTES_KEY] = {"region": region.module, "nodes": len(nodes)}
     if region.saved_bytes:
-        call.meta[NOTES_KEY]["saved"] = saved
+        note(call, "saved", saved)
     if len(outputs) == 1:
         call.meta["val"] = outputs[0].meta.get("val")
         results = [call]
@@ -154,25 +154,21 @@ class ActivationCheckpoint(Pass):
     """Rewrite: each chosen region becomes a checkpointed submodule call."""
 
     name = "activation_checkpoint"
+    phase = "restructure"
+    rewrites = True
     requires = ("checkpoint_regions",)
-    after = ("tiled_linear",)
-    before = ("chunk_layout", "chunk_schedule")
 
     def enabled_by(self, plan) -> bool:
         return plan.checkpoint is not None
 
     def __call__(self, program: Program) -> Program:
-        decision = program.meta.get(DECISION_KEY)
+        decision = program.decisions.checkpoint_regions
         if decision is None:
             return program
         for i, region in enumerate(decision.chosen):
             fuse_region(program, region, f"{REGION_PREFIX}{i}")
         if decision.chosen:
             first = next(n for n, _ in region_calls(program.graph_module))
-            first.meta[NOTES_KEY]["checkpoint"] = decision.summary()
-        program.graph_module.graph.lint()
-        program.graph_module.recompile()
-        program.refresh_param_uses()
-        lines = program.meta.setdefault("report_lines", [])
-        lines.append(f"activation checkpoint: {decision.summary()}")
+            note(first, "checkpoint", decision.summary())
+        program.decisions.report_lines.append(f"activation checkpoint: {decision.summary()}")
         return program

@@ -15,7 +15,7 @@ A higher-order op (export's form of a `torch.no_grad()` or `torch.autocast` bloc
 forward: a `wrap_with_set_grad_enabled` call on a submodule, read through `getitem`s) is
 never a region of its own (a frozen teacher is no block), and a region never splits one: it
 takes the op whole, with the region its results land in, or not at all.
-The decision is data (`program.meta[DECISION_KEY]`, a CheckpointDecision) and shows in the
+The decision is data (`program.decisions.checkpoint_regions`, a CheckpointDecision) and shows in the
 dump as notes on each region's first node; a pass running after this one may edit it.
 """
 
@@ -31,19 +31,14 @@ from torch import fx
 from torch._ops import HigherOrderOperator
 
 from fxstar.dump import NOTES_KEY
-from fxstar.passes import Pass, get, register
+from fxstar.passes import Pass, register
 from fxstar.passes.shape_memory import META_KEY as MEMORY_KEY
 from fxstar.passes.shape_memory import backward_peak, node_steps
-from fxstar.plan import PlanError, mark_implemented
+from fxstar.plan import PlanError
 from fxstar.program import Program
 from fxstar.sizes import format_size
 
-__all__ = ["DECISION_KEY", "CheckpointDecision", "CheckpointRegions", "Region", "find_regions"]
-
-DECISION_KEY = "fxstar.saving"
-"""Program.meta key of the CheckpointDecision."""
-
-mark_implemented("checkpoint", "checkpoint_every", "activation_memory")
+__all__ = ["CheckpointDecision", "CheckpointRegions", "Region", "find_regions"]
 
 
 @dataclass
@@ -294,7 +289,10 @@ class CheckpointRegions(Pass):
     """Analysis: finds the regions to checkpoint and records the decision."""
 
     name = "checkpoint_regions"
-    after = ("shape_memory", "tiled_linear")
+    phase = "restructure"
+    requires_fresh = ("shape_memory",)  # regions are chosen on the graph they will cut
+    after = ("tiled_linear",)
+    implements = ("checkpoint", "checkpoint_every", "activation_memory")
 
     def __call__(self, program: Program) -> Program:
         plan = program.plan
@@ -304,18 +302,14 @@ class CheckpointRegions(Pass):
         graph = program.graph_module.graph
         patterns = tuple(mode) if isinstance(mode, tuple) else None
         regions = find_regions(graph, patterns)
-        if mode == "auto" and MEMORY_KEY not in program.meta:
-            get("shape_memory")(program)  # the analysis auto plans from
-        if MEMORY_KEY in program.meta:
-            _measure(program, regions)
+        _measure(program, regions)  # on shape_memory's measurement of this graph (fresh)
         decision = CheckpointDecision(
             mode="patterns" if patterns else mode,
             candidates=regions,
             chosen=regions[:: plan.checkpoint_every],
             every=plan.checkpoint_every,
         )
-        if MEMORY_KEY in program.meta:
-            decision.saved_before = program.meta[MEMORY_KEY].saved_bytes
+        decision.saved_before = program.decisions.shape_memory.saved_bytes
         if mode == "auto":
             budget = plan.resolve_size("activation_memory", program.param_bytes)
             if budget is None:
@@ -341,7 +335,7 @@ class CheckpointRegions(Pass):
                 "no regions found: no repeated blocks" if patterns is None
                 else f"no module matches {list(patterns)}"
             )  # fmt: skip
-        program.meta[DECISION_KEY] = decision
+        program.decisions.checkpoint_regions = decision
         _annotate(program, decision)
         return program
 

@@ -23,22 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from fxstar.dump import NOTES_KEY
+from fxstar.dump import note
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
-from fxstar.passes.checkpoint_regions import DECISION_KEY
-from fxstar.passes.shape_memory import ShapeMemory, backward_peak, node_steps
-from fxstar.plan import mark_implemented
+from fxstar.passes.shape_memory import backward_peak, node_steps
 from fxstar.program import ParamInfo, Program
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.sizes import Share, format_size
 
-mark_implemented("device_memory", "chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio",
-                 "mem_cache", "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
-
-LAYOUT_KEY = "chunk_layout"  # Program.shared and Program.meta key
+LAYOUT_KEY = "chunk_layout"  # Program.shared key: one layout for every capture of an engine
 BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='auto' settled on
-NEED_KEY = "chunk_layout.need"  # Program.meta key: the smallest budget (BudgetNeed)
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
                  "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
@@ -80,17 +74,10 @@ def nonmodel_peak(program: Program) -> int:
     A checkpointed region's recomputation is invisible in the rewritten graph;
     checkpoint_regions estimated it."""
     peak = backward_peak(list(node_steps(program.graph_module.graph.nodes).values()))
-    decision = program.meta.get(DECISION_KEY)
+    decision = program.decisions.checkpoint_regions
     if decision is not None and decision.estimate is not None:
         peak = max(peak, decision.estimate)
     return peak
-
-
-def measure(program: Program) -> None:
-    """Measure activations on the graph as it is now if a rewrite ran since shape_memory did
-    (checkpointing shrinks them): budgets are planned on the graph that will run."""
-    if not program.stages or program.stages[-1].name != "shape_memory":
-        ShapeMemory()(program)
 
 
 def static_share(plan, budget: int) -> int | None:
@@ -324,10 +311,10 @@ def choose(
 
 def plan_layout(program: Program) -> ChunkLayout:
     """The layout, and for device_memory='auto' the engine's budget (Program.shared); the
-    smallest budget this plan works with goes to Program.meta (NEED_KEY)."""
+    smallest budget this plan works with goes to program.decisions.budget_need."""
     plan = program.plan
     needs = layout_needs(program)
-    smallest = program.meta[NEED_KEY] = smallest_need(needs)
+    smallest = program.decisions.budget_need = smallest_need(needs)
     if plan.device_memory is None:  # no budget: every chunk stays resident, least waste wins
         return min((layout for layout, _ in needs),
                    key=lambda lay: (lay.wasted_bytes, len(lay.chunks), lay.chunk_size))  # fmt: skip
@@ -340,21 +327,24 @@ def plan_layout(program: Program) -> ChunkLayout:
 
 @register
 class ChunkLayoutPass(Pass):
-    """Analysis: writes the ChunkLayout to Program.meta/shared, chunk and offset to the
-    parameter table and to each parameter placeholder's notes."""
+    """Analysis: the ChunkLayout to program.decisions (and Program.shared, for later
+    captures), chunk and offset to the parameter table and each placeholder's notes."""
 
     name = "chunk_layout"
-    requires = ("shape_memory",)
+    phase = "place"
+    requires_fresh = ("shape_memory",)  # budgets are planned on the graph that will run
+    after = ("cpu_embedding",)
+    implements = ("device_memory", "chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio",
+                  "mem_cache", "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
 
     def enabled_by(self, plan) -> bool:
         return uses_chunks(plan)
 
     def __call__(self, program: Program) -> Program:
-        measure(program)
         layout = program.shared.get(LAYOUT_KEY)
         if layout is None:
             layout = program.shared[LAYOUT_KEY] = plan_layout(program)
-        program.meta[LAYOUT_KEY] = layout
+        program.decisions.chunk_layout = layout
         slots = layout.slots()
         nodes = {n.name: n for n in program.graph_module.graph.nodes}
         for info in program.params:
@@ -363,7 +353,7 @@ class ChunkLayoutPass(Pass):
             slot = slots[info.name]
             info.chunk, info.chunk_offset = slot.chunk, slot.offset
             for ph in info.placeholders:
-                nodes[ph].meta.setdefault(NOTES_KEY, {})["chunk"] = f"{slot.chunk}+{slot.offset}"
+                note(nodes[ph], "chunk", f"{slot.chunk}+{slot.offset}")
         return program
 
 

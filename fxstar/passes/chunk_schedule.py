@@ -30,7 +30,6 @@ from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
 from fxstar.passes.activation_checkpoint import region_calls, region_inputs
 from fxstar.passes.chunk_layout import (
-    LAYOUT_KEY,
     budget_bytes,
     budget_need,
     shown_budget,
@@ -43,7 +42,6 @@ from fxstar.runtime import ops
 from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan
 
-PLAN_KEY = "chunk_plan"  # Program.meta key of the ChunkPlan
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
 
 
@@ -93,15 +91,21 @@ def alias_end(user: fx.Node, of: fx.Node, pos: dict[fx.Node, int]) -> int:
 
 
 def segments(
-    params: dict[fx.Node, str], layout: ChunkLayout, pos: dict[fx.Node, int]
+    params: dict[fx.Node, str],
+    layout: ChunkLayout,
+    pos: dict[fx.Node, int],
+    skip: set[fx.Node] = frozenset(),
 ) -> list[Segment]:
     """Where each chunk must be fetched, for the parameter placeholders `params` (node ->
-    parameter name) of one graph whose nodes are numbered by `pos`."""
+    parameter name) of one graph whose nodes are numbered by `pos`; users in `skip` do not
+    count (region calls, which fetch their own)."""
     slots = layout.slots()
     uses: dict[int, list[tuple[int, int, fx.Node, fx.Node]]] = {}
     for node, name in params.items():
         chunk = slots[name].chunk
         for user in node.users:
+            if user in skip:
+                continue
             if user.op == "output":
                 raise ChunkScheduleError(
                     f"the model returns parameter {name} itself; chunked parameters "
@@ -177,48 +181,64 @@ def parameter_placeholders(program: Program) -> dict[fx.Node, str]:
     }
 
 
-def move_into_regions(program: Program, layout: ChunkLayout) -> None:
-    """A checkpointed region fetches its own chunks: its recomputation in backward then fetches
-    them again instead of reading parameter views whose chunks may have been evicted since the
-    forward. The parameters stop being inputs of the region."""
+@dataclass
+class Fetches:
+    """chunk_schedule's decision: where each graph fetches and releases which chunk. A
+    checkpointed region fetches its own (by submodule name): its recomputation in backward
+    then fetches them again instead of reading views whose chunks were evicted since."""
+
+    top: list[Segment]
+    regions: dict[str, list[Segment]] = field(default_factory=dict)  # by region call's name
+    region_params: dict[str, dict[fx.Node, str]] = field(default_factory=dict)  # placeholders
+
+
+def decide(program: Program, layout: ChunkLayout) -> Fetches:
+    """The segments of every graph, on the graphs as they are (nothing rewritten yet)."""
     top = parameter_placeholders(program)
+    decision = Fetches(top=[])
+    calls = set()
     for call, region in region_calls(program.graph_module):
-        first, args = region_inputs(call)
-        inner: dict[fx.Node, str] = {}
-        kept = list(call.args[:first])
+        calls.add(call)
+        _, args = region_inputs(call)
         placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-        for arg, placeholder in zip(args, placeholders, strict=True):
-            if isinstance(arg, fx.Node) and arg in top:
-                inner[placeholder] = top[arg]
-            else:
-                kept.append(arg)
-        if not inner:
-            continue
-        nodes = list(region.graph.nodes)
-        insert_fetches(region, segments(inner, layout, {n: i for i, n in enumerate(nodes)}),
-                       nodes, inner, ops.runtime_of(program.graph_module))  # fmt: skip
-        for placeholder in inner:
-            region.graph.erase_node(placeholder)
-        region.graph.lint()
-        region.recompile()
-        call.args = tuple(kept)
+        inner = {placeholder: top[arg]
+                 for arg, placeholder in zip(args, placeholders, strict=True)
+                 if isinstance(arg, fx.Node) and arg in top}  # fmt: skip
+        if inner:
+            decision.region_params[call.name] = inner
+            decision.regions[call.name] = segments(inner, layout, _positions(region.graph))
+    # a region call stops reading the parameters it fetches itself
+    decision.top = segments(top, layout, _positions(program.graph_module.graph), skip=calls)
+    return decision
 
 
-def rewrite(program: Program, layout: ChunkLayout) -> list[fx.Node]:
+def rewrite(program: Program, layout: ChunkLayout, decision: Fetches) -> list[fx.Node]:
     """Regions first, then the top-level graph; returns the top-level nodes as they were
     before fetches were added (the positions the plan is estimated on)."""
-    move_into_regions(program, layout)
+    runtime = ops.runtime_of(program.graph_module)
+    top = parameter_placeholders(program)
+    for call, region in region_calls(program.graph_module):
+        inner = decision.region_params.get(call.name)
+        if not inner:
+            continue
+        insert_fetches(region, decision.regions[call.name], list(region.graph.nodes), inner,
+                       runtime)  # fmt: skip
+        for placeholder in inner:
+            region.graph.erase_node(placeholder)
+        first, args = region_inputs(call)  # the parameters stop being inputs of the region
+        kept = [a for a in args if not (isinstance(a, fx.Node) and a in top)]
+        call.args = (*call.args[:first], *kept)
     graph = program.graph_module.graph
     nodes = list(graph.nodes)
     params = parameter_placeholders(program)
-    insert_fetches(program.graph_module,
-                   segments(params, layout, {n: i for i, n in enumerate(nodes)}),
-                   nodes, params)  # fmt: skip
+    insert_fetches(program.graph_module, decision.top, nodes, params)
     for node in params:
         program.remove_input(node)
-    graph.lint()
-    program.graph_module.recompile()
     return nodes
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def nonmodel_estimate(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -382,17 +402,21 @@ def _events(segs: list[Segment], count: int) -> list[tuple[str, int | None, int]
 @register
 class ChunkSchedule(Pass):
     name = "chunk_schedule"
-    requires = ("chunk_layout", "shape_memory")
+    phase = "schedule"
+    rewrites = True
+    requires = ("chunk_layout",)
+    requires_fresh = ("shape_memory",)  # the bytes besides chunks at each access
 
     def enabled_by(self, plan) -> bool:
         return uses_chunks(plan)
 
     def __call__(self, program: Program) -> Program:
-        layout: ChunkLayout = program.meta[LAYOUT_KEY]
-        original = rewrite(program, layout)
+        layout: ChunkLayout = program.decisions.chunk_layout
+        program.decisions.chunk_fetches = fetches = decide(program, layout)
+        original = rewrite(program, layout, fetches)
         access = access_plan(program.graph_module, layout, original)
         check_budget(access, layout, program)
-        program.meta[PLAN_KEY] = chunk_plan(program, layout, access)
+        program.decisions.chunk_plan = chunk_plan(program, layout, access)
         return program
 
 
@@ -402,7 +426,7 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> Chu
     machine activations live elsewhere and the share is enforced per moment. Without a budget
     (bf16/fp16 alone) every chunk stays resident and activations are not budgeted."""
     budget = budget_bytes(program)
-    device = next(iter(program.model_tensors().values())).device
+    device = program.compute_device()
     if budget is None:
         block = -(-layout.chunk_bytes // ARENA_ALIGNMENT) * ARENA_ALIGNMENT  # blocks round up
         capacity = (len(layout.chunks) + 1) * block
@@ -417,4 +441,4 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> Chu
     )  # fmt: skip
 
 
-__all__ = ["PLAN_KEY", "AccessForecast", "ChunkSchedule", "ChunkScheduleError", "returns_alias"]
+__all__ = ["AccessForecast", "ChunkSchedule", "ChunkScheduleError", "returns_alias"]

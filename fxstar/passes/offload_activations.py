@@ -18,18 +18,13 @@ from __future__ import annotations
 from fxstar.dump import NOTES_KEY
 from fxstar.passes import Pass, register
 from fxstar.passes.activation_checkpoint import region_calls
-from fxstar.plan import PlanError, mark_implemented
+from fxstar.plan import PlanError
 from fxstar.program import Program
 from fxstar.runtime.offload import ActivationOffload, offload_region
 
-__all__ = ["META_KEY", "OffloadActivations"]
-
-META_KEY = "fxstar.offload_activations"
-"""Program.meta key of the ActivationOffload (its `stats` are the bytes moved)."""
+__all__ = ["OffloadActivations"]
 
 OFFLOAD_MODULE = "activation_offload"
-
-mark_implemented("offload_activations")
 
 
 @register
@@ -37,8 +32,10 @@ class OffloadActivations(Pass):
     """Rewrite: region calls go through the activation offloader."""
 
     name = "offload_activations"
+    phase = "restructure"
+    rewrites = True
     requires = ("activation_checkpoint",)
-    before = ("chunk_layout", "chunk_schedule")
+    implements = ("offload_activations",)
 
     def enabled_by(self, plan) -> bool:
         return plan.offload_activations
@@ -63,9 +60,6 @@ class OffloadActivations(Pass):
             call.target = offload_region  # in place: the node keeps its name and users
             call.args = (state, index, module_node, *inputs)
             call.meta[NOTES_KEY] = {**call.meta.get(NOTES_KEY, {}), "offload": "host"}
-        graph.lint()
-        gm.recompile()
-        program.refresh_param_uses()
-        program.meta[META_KEY] = offloader
-        program.meta.setdefault("report_lines", []).append(offloader.report)
+        program.decisions.offload_activations = offloader
+        program.decisions.report_lines.append(offloader.report)
         return program

@@ -1,7 +1,10 @@
 """shape_memory: per node, output shape/dtype/bytes and the bytes it saves for backward.
 
-Measured once by running the program on its example inputs node by node under
-`saved_tensors_hooks` (no backward; RNG state and buffers untouched). Saved tensors are
+Measured once by running the program's forward on its example inputs node by node under
+`saved_tensors_hooks` (no backward; RNG state and buffers untouched). The run is on fake
+tensors (FakeTensorMode: shapes, strides and dtypes, no data), so compile time and memory
+follow the number of nodes, not of parameters; a program fake tensors cannot run (an op that
+needs the data) is measured on real tensors instead, with a warning. Saved tensors are
 counted by storage, once, at the first node that saves them; saves of parameter storage
 (`linear` saves `weight.t()`) are counted apart, since they cost no activation memory.
 
@@ -14,18 +17,22 @@ The peak of a step is where the saved bytes still alive plus this are largest.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from fxstar.dump import NOTES_KEY
+from fxstar.dump import NOTES_KEY, target_name
 from fxstar.passes import Pass, register
 from fxstar.program import SYMBOLIC_TRACE, Program, buffers_restored
+from fxstar.runtime.offload import offload_region
+from fxstar.runtime.recompute import run_region
 from fxstar.sizes import format_size
 
 __all__ = [
@@ -36,6 +43,7 @@ __all__ = [
     "ShapeMemory",
     "backward_peak",
     "block_of",
+    "measure",
     "node_steps",
 ]
 
@@ -156,24 +164,45 @@ def _bytes(value: Any) -> int:
     )
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage `t` is a view of: the address of its StorageImpl, shared by all its views.
+    Not `data_ptr()`: a fake tensor has no memory (its data pointer is 0 or refused), but a
+    StorageImpl of its own, as a real one has; keys stay unique while the tensors live."""
+    return t.untyped_storage()._cdata
+
+
 def _grad_tensors(value: Any, params: set[int]) -> dict[int, int]:
     """Storage -> bytes of the tensors in `value` that get a gradient, parameters aside."""
     return {
-        t.untyped_storage().data_ptr(): t.numel() * t.element_size()
+        _storage_key(t): t.numel() * t.element_size()
         for t in pytree.tree_leaves(value)
-        if isinstance(t, torch.Tensor)
-        and t.requires_grad
-        and t.untyped_storage().data_ptr() not in params
+        if isinstance(t, torch.Tensor) and t.requires_grad and _storage_key(t) not in params
     }
 
 
-class _Recorder(fx.Interpreter):
-    """Runs node by node, attributing each saved tensor to the node being run."""
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
-    def __init__(self, gm: fx.GraphModule, measured: dict, params: set[int]):
+
+class _Recorder(fx.Interpreter):
+    """Runs node by node, attributing each saved tensor to the node being run.
+
+    `convert` turns every real tensor that enters the graph (placeholders, get_attr, the state
+    of a called module) into what the run computes on: itself, or a fake tensor. Under
+    FakeTensorMode nothing real may reach an op: arithmetic on real tensors alone would run
+    for real (and write real buffers in place)."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        measured: dict,
+        params: set[int],
+        convert: Callable[[torch.Tensor], torch.Tensor] = _same,
+    ):
         super().__init__(gm)
         self.measured = measured  # node -> (output, backward, gradient bytes)
         self.params = params
+        self.convert = convert
         self.fresh: list[tuple[int, int]] = []  # (storage, bytes) first saved by this node
         self.current: fx.Node | None = None
 
@@ -186,8 +215,8 @@ class _Recorder(fx.Interpreter):
             inputs = _grad_tensors([self.env[a] for a in node.all_input_nodes], self.params)
             inside = sum(
                 nbytes
-                for ptr, nbytes in self.fresh
-                if ptr not in inputs and ptr not in outputs and ptr not in self.params
+                for key, nbytes in self.fresh
+                if key not in inputs and key not in outputs and key not in self.params
             )
             backward = sum(outputs.values()) + sum(inputs.values()) + inside
             grads = sum(outputs.values())
@@ -196,19 +225,56 @@ class _Recorder(fx.Interpreter):
                 node.meta["tensor_meta"] = _extract_tensor_metadata(result)
         return result
 
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().placeholder(target, args, kwargs)
+        return pytree.tree_map_only(torch.Tensor, self.convert, value)
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        return self.convert(value) if isinstance(value, torch.Tensor) else value
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target is offload_region:
+            # what checkpoint saves goes to the offload's hooks, not to ours: swallow it the
+            # same way, without the host copies (and counters) of a real offload
+            _, _, region, *inputs = args
+            with torch.autograd.graph.saved_tensors_hooks(_discard, _no_backward):
+                return run_region(region, *inputs)
+        return super().call_function(target, args, kwargs)
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.convert is _same:
+            return super().call_module(target, args, kwargs)
+        # a symbolic_trace leaf (nn.Linear, BatchNorm): run it on fake parameters and buffers
+        module = self.fetch_attr(target)
+        state = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        state = {name: self.convert(t) for name, t in state.items()}
+        return torch.func.functional_call(module, state, args, kwargs)
+
+
+def _discard(_: torch.Tensor) -> None:
+    return None
+
 
 def _no_backward(_: Any) -> None:
     raise RuntimeError("shape_memory's measuring run has no backward")
 
 
-def _analysis_tensors(program: Program) -> dict[str, torch.Tensor]:
-    """What the measuring run is fed: the program's tensors, its buffers as copies. The
+def _analysis_tensors(
+    program: Program, convert: Callable[[torch.Tensor], torch.Tensor] = _same
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """What the measuring run is fed (each made by `convert` first): the program's tensors, its
+    buffers as copies; and the names fed a parameter as it is (not a copy, not a cast). The
     training IR updates buffers in place (BatchNorm's running statistics, a counter a model
     bumps in forward): a measurement must leave the model as it found it."""
-    tensors = program.model_tensors()
+    real = program.model_tensors()
+    tensors = {name: convert(t) for name, t in real.items()}
+    params = {name for name, t in real.items() if isinstance(t, torch.nn.Parameter)}
     for slot in program.inputs:
         if slot.kind == "buffer" and slot.target in tensors:
             tensors[slot.target] = tensors[slot.target].detach().clone()
+            params.discard(slot.target)
     # bf16/fp16 after the chunks took over: the store holds the fp32 masters, the graph was
     # traced in the compute dtype (a later capture, eval or a new shape, measures as it runs)
     for info in program.params:
@@ -216,12 +282,178 @@ def _analysis_tensors(program: Program) -> dict[str, torch.Tensor]:
             t = tensors.get(name)
             if t is not None and t.dtype != info.dtype:
                 tensors[name] = t.detach().to(info.dtype).requires_grad_(t.requires_grad)
-    return tensors
+                params.discard(name)
+    return tensors, params
 
 
-def _fork_rng():
+def _fork_rng() -> contextlib.AbstractContextManager:
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     return torch.random.fork_rng(devices=devices)
+
+
+def _fake_converter(
+    mode: FakeTensorMode, device: torch.device
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Real tensor -> its fake (memoized by `mode`: one fake storage per real one, so views
+    and tied weights share it); fakes are kept alive with the converter, so storage keys stay
+    unique while it is in use. A parameter of a model built on the meta device becomes a fake
+    on `device`, where the inputs are (one fake per tensor: tied weights stay one)."""
+    made: list[torch.Tensor] = []
+    on_meta: dict[int, torch.Tensor] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, FakeTensor):
+            return t
+        if t.is_meta:
+            if id(t) not in on_meta:
+                with mode:
+                    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                on_meta[id(t)] = fake.requires_grad_(t.requires_grad)
+                made.append(t)  # its id stays its own while the fake is in use
+            return on_meta[id(t)]
+        copy = mode.from_tensor(t)
+        # a fake storage is made as long as the views seen so far reach; a real one can be
+        # longer (a chunk's padding), and a saved view counts all of it
+        nbytes = t.untyped_storage().nbytes()
+        if copy.untyped_storage().nbytes() < nbytes:
+            copy.untyped_storage().resize_(nbytes)
+        made.append(copy)
+        return copy
+
+    return convert
+
+
+class _NotFakeable(Exception):
+    """The measuring run failed on fake tensors; the message names the op and the node."""
+
+
+class _Run:
+    """One measuring run: what it is fed, the hook that sees every saved tensor, the tallies."""
+
+    def __init__(self, program: Program, convert: Callable[[torch.Tensor], torch.Tensor]):
+        self.program, self.convert = program, convert
+        self.fed, param_fed = _analysis_tensors(program, convert)
+        model_tensors = [*program.model.parameters(), *program.model.buffers()]
+        self.param_keys = {_storage_key(convert(t)) for t in model_tensors}
+        # and what the program is fed in their place (tiles, shards a pass derived, buffer copies)
+        self.param_keys |= {_storage_key(t) for t in self.fed.values()}
+        self.param_names: dict[int, list[str]] = {}  # storage -> parameter names
+        for name, t in self.fed.items():
+            if name in param_fed:
+                self.param_names.setdefault(_storage_key(t), []).append(name)
+        self.saved_params: dict[fx.Node, list[str]] = {}
+        self.saved: dict[int, tuple[fx.Node | None, int]] = {}  # storage -> (node, bytes)
+        self.keep: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
+        self.measured: dict[fx.Node, tuple[int, int, int]] = {}
+        self.recorder: _Recorder | None = None
+
+    def pack(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = _storage_key(t)
+        current = self.recorder.current if self.recorder is not None else None
+        if key in self.param_names and current is not None:
+            self.saved_params.setdefault(current, []).append(self.param_names[key][0])
+        if key not in self.saved:
+            self.saved[key] = (current, storage.nbytes())
+            self.keep.append(t)
+            if self.recorder is not None and t.requires_grad:  # a gradient will flow to it
+                self.recorder.fresh.append((key, storage.nbytes()))
+        # nothing to give back (no backward runs): a tensor handed back to the graph that
+        # saved it would make a cycle through C++ autograd that keeps graph and program
+        return None
+
+    def _interpreter(self, gm: fx.GraphModule) -> _Recorder:
+        self.recorder = _Recorder(gm, self.measured, self.param_keys, self.convert)
+        return self.recorder
+
+    def forward(self) -> None:
+        program = self.program
+        symbolic = program.ir == SYMBOLIC_TRACE
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, self.convert, (program.example_args, program.example_kwargs)
+        )
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _no_backward)
+        try:
+            with torch.enable_grad(), hooks:
+                program.run(
+                    args,
+                    kwargs,
+                    tensors=None if symbolic else self.fed,
+                    apply_mutations=False,
+                    interpreter=self._interpreter,
+                )
+        finally:
+            # autograd keeps the saved-tensor hooks (and what they close over: this run, the
+            # graph) alive with the tensors of this run; drop them, or nothing is ever freed
+            self.keep.clear()
+
+    def per_node(self) -> dict[fx.Node, NodeMemory]:
+        self.recorder = None  # holds the environment of the run: every value it made
+        per_node: dict[fx.Node, NodeMemory] = {}
+        for node, (nbytes, backward, grads) in self.measured.items():
+            names = tuple(self.saved_params.get(node, ()))
+            per_node[node] = NodeMemory(out_bytes=nbytes, block=block_of(node),
+                                        saved_params=names, backward_bytes=backward,
+                                        grad_bytes=grads)  # fmt: skip
+        for key, (node, nbytes) in self.saved.items():
+            if node is None or node not in per_node:
+                continue
+            if key in self.param_keys:
+                per_node[node].saved_param_bytes += nbytes
+            else:
+                per_node[node].saved_bytes += nbytes
+        return per_node
+
+
+def _measure(program: Program, *, fake: bool = True) -> dict[fx.Node, NodeMemory]:
+    """Run the program's forward once under saved-tensor hooks and measure every node.
+
+    With `fake`, every tensor is a fake copy (shape, strides, dtype, requires_grad) under
+    FakeTensorMode: no real compute and no real memory, whatever the parameter count; any
+    failure then raises _NotFakeable. Without, the real tensors run (buffers copied first).
+    Both give the same numbers (tests/passes/test_shape_memory_fake.py)."""
+    run: _Run | None = None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_fork_rng())
+        if not fake:
+            if program.ir == SYMBOLIC_TRACE:  # it runs on the model's own buffers: restore them
+                stack.enter_context(buffers_restored(program.model))
+            run = _Run(program, _same)
+            run.forward()
+            return run.per_node()
+        mode = FakeTensorMode()  # no real inputs allowed: a real tensor left over raises
+        stack.enter_context(mode)
+        try:
+            run = _Run(program, _fake_converter(mode, program.compute_device()))
+            run.forward()
+        except Exception as exc:
+            raise _NotFakeable(_failed(exc, run.recorder if run else None)) from exc
+    return run.per_node()
+
+
+def _failed(exc: Exception, recorder: _Recorder | None) -> str:
+    """'<op> at node <name> (<error>)', on one line, for the fallback's warning."""
+    node = recorder.current if recorder is not None else None
+    op = getattr(exc, "func", None) or (target_name(node.target) if node else "the inputs")
+    where = f" at node {node.name}" if node is not None else ""
+    first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
+    why = type(exc).__name__ + (f": {first}" if first and first != str(op) else "")
+    return f"{op}{where} ({why})"
+
+
+def measure(program: Program) -> dict[fx.Node, NodeMemory]:
+    """NodeMemory per node, measured on fake tensors; on real ones, with a warning, where
+    fake tensors cannot run the program (a data-dependent op, a custom op without a fake
+    kernel): a slower compile, never a wrong number."""
+    try:
+        return _measure(program, fake=True)
+    except _NotFakeable as exc:
+        warnings.warn(
+            f"shape_memory: fake tensors cannot run {exc}; measuring with real tensors "
+            "(compile time and memory grow with the parameters)",
+            stacklevel=2,
+        )
+        return _measure(program, fake=False)
 
 
 @register
@@ -229,76 +461,12 @@ class ShapeMemory(Pass):
     """Analysis: writes NodeMemory to node.meta and a MemoryReport to program.meta."""
 
     name = "shape_memory"
+    phase = "analyse"
     needs_export_ir = False
 
     def __call__(self, program: Program) -> Program:
-        fed = _analysis_tensors(program)
-        param_storages = {p.untyped_storage().data_ptr() for p in program.model.parameters()} | {
-            b.untyped_storage().data_ptr() for b in program.model.buffers()
-        }
-        # and what the program is fed in their place (tiles, shards a pass derived, buffer copies)
-        param_storages |= {t.untyped_storage().data_ptr() for t in fed.values()}
-        param_names: dict[int, list[str]] = {}  # storage ptr -> parameter names
-        for name, t in fed.items():
-            if isinstance(t, torch.nn.Parameter):
-                param_names.setdefault(t.untyped_storage().data_ptr(), []).append(name)
-        saved_params: dict[fx.Node, list[str]] = {}
-        saved: dict[int, tuple[fx.Node | None, int]] = {}  # storage ptr -> (node, bytes)
-        keep: list[torch.Tensor] = []  # keeps storages alive so pointers stay unique
-        measured: dict[fx.Node, tuple[int, int, int]] = {}
-        recorder: _Recorder | None = None
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in param_names and recorder is not None and recorder.current is not None:
-                saved_params.setdefault(recorder.current, []).append(param_names[ptr][0])
-            if ptr not in saved:
-                saved[ptr] = (recorder.current if recorder else None, storage.nbytes())
-                keep.append(t)
-                if recorder is not None and t.requires_grad:  # a gradient will flow to it
-                    recorder.fresh.append((ptr, storage.nbytes()))
-            # nothing to give back (no backward runs): a tensor handed back to the graph that
-            # saved it would make a cycle through C++ autograd that keeps graph and program
-            return None
-
-        def make(gm: fx.GraphModule) -> _Recorder:
-            nonlocal recorder
-            recorder = _Recorder(gm, measured, param_storages)
-            return recorder
-
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_fork_rng())
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _no_backward))
-            symbolic = program.ir == SYMBOLIC_TRACE
-            if symbolic:
-                stack.enter_context(buffers_restored(program.model))
-            program.run(
-                program.example_args,
-                program.example_kwargs,
-                tensors=None if symbolic else fed,
-                apply_mutations=False,
-                interpreter=make,
-            )
-        # autograd keeps the saved-tensor hooks (and what they close over: this recorder, the
-        # graph) alive with the tensors of this run; drop them, or nothing is ever freed
-        keep.clear()
-        recorder = None
-
+        per_node = measure(program)
         report = MemoryReport(param_bytes=program.param_bytes)
-        per_node: dict[fx.Node, NodeMemory] = {}
-        for node, (nbytes, backward, grads) in measured.items():
-            names = tuple(saved_params.get(node, ()))
-            per_node[node] = NodeMemory(out_bytes=nbytes, block=block_of(node), saved_params=names,
-                                        backward_bytes=backward, grad_bytes=grads)  # fmt: skip
-        for ptr, (node, nbytes) in saved.items():
-            if node is None or node not in per_node:
-                continue
-            if ptr in param_storages:
-                per_node[node].saved_param_bytes += nbytes
-            else:
-                per_node[node].saved_bytes += nbytes
         for node, mem in per_node.items():
             node.meta[META_KEY] = mem
             notes = node.meta.setdefault(NOTES_KEY, {})
@@ -311,5 +479,5 @@ class ShapeMemory(Pass):
                 total.out_bytes += mem.out_bytes
                 total.saved_bytes += mem.saved_bytes
                 total.saved_param_bytes += mem.saved_param_bytes
-        program.meta[META_KEY] = report
+        program.decisions.shape_memory = report
         return program

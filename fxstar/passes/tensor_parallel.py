@@ -21,17 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxstar.dump import NOTES_KEY
+from fxstar.dump import note
 from fxstar.passes import Pass, register
-from fxstar.passes.tp_sharding import META_KEY, LinearSite, Sharding, TPShardingError
-from fxstar.plan import mark_implemented
+from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
 from fxstar.program import Program
 from fxstar.runtime import agreement
 from fxstar.runtime import dist as tp
 
 __all__ = ["GROUP_KEY", "TensorParallel", "shard_of", "unshard"]
 
-mark_implemented("tensor_parallel", "mem_saving_comm", "dist_timeout")
 
 GROUP_KEY = "tensor_parallel.group"  # Program.shared: the engine's process group (a tp key)
 
@@ -80,20 +78,15 @@ def _local_val(val: Any, dim: int, n: int) -> Any:
         return torch.empty(shape, dtype=val.dtype, device=val.device)
 
 
-def _note(node: fx.Node, text: str) -> None:
-    node.meta.setdefault(NOTES_KEY, {})["tp"] = text
-
-
 @register
 class TensorParallel(Pass):
     """Rewrite: sharded linears, per-rank shapes and collectives as graph nodes."""
 
     name = "tensor_parallel"
+    phase = "shard"  # first: every later pass and analysis sees per-rank tensors
+    rewrites = True
     requires = ("tp_sharding",)
-    after = ("tp_sharding",)
-    # first among rewrites: the others (and shape_memory's measurement) see per-rank tensors
-    before = ("shape_memory", "activation_checkpoint", "checkpoint_regions", "offload_activations",
-              "tiled_linear", "chunk_layout", "chunk_schedule")  # fmt: skip
+    implements = ("tensor_parallel", "mem_saving_comm", "dist_timeout")
     tolerance = (1e-5, 1e-6)
 
     def enabled_by(self, plan: Any) -> bool:
@@ -111,7 +104,7 @@ class TensorParallel(Pass):
             program.shared[GROUP_KEY] = _engine_group(program)
         group = program.shared[GROUP_KEY]
         # first, while nothing can have failed on one rank only: all raise the same error
-        if not program.meta.get(agreement.AGREED):
+        if not program.decisions.tp_agreed:
             agreement.agree(program, group, tensors=first)
         if dist.get_world_size() != config.size:
             raise TPShardingError(
@@ -126,7 +119,7 @@ class TensorParallel(Pass):
             )
         if program.store is None:
             raise TPShardingError("tensor_parallel needs an engine's ParameterStore (compile)")
-        sharding: Sharding = program.meta[META_KEY]
+        sharding: Sharding = program.decisions.tp_sharding
         _Rewrite(program, sharding, config, program.plan.mem_saving_comm, group).run()
         return program
 
@@ -160,9 +153,6 @@ class _Rewrite:
         self._boundaries(s.scatters, tp.scatter_to_seq, "scatter", -2)
         self._boundaries(s.gathers, tp.gather_from_seq, "gather", -2)
         self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce", None)
-        self.graph.lint()
-        self.program.graph_module.recompile()
-        self.program.refresh_param_uses()
 
     # -- linears --------------------------------------------------------------------------------
 
@@ -179,7 +169,7 @@ class _Rewrite:
         new = self.program.add_input("parameter", full_name, f"{old.name}_tp")
         new.meta.update(old.meta)
         new.meta["val"] = _local_val(old.meta.get("val"), dim, n)
-        _note(new, f"shard(dim={dim}{f', parts={parts}' if parts > 1 else ''})")
+        note(new, "tp", f"shard(dim={dim}{f', parts={parts}' if parts > 1 else ''})")
         info = self.program.param(node_name)
         info.placeholders = tuple(new.name if p == old.name else p for p in info.placeholders)
         info.shape = tuple(new.meta["val"].shape)
@@ -212,7 +202,7 @@ class _Rewrite:
             new.meta["val"] = _local_val(val, -2, self.n)
         else:
             new.meta["val"] = val
-        _note(new, site.style + (f"x{site.parts}" if site.parts > 1 else ""))
+        note(new, "tp", site.style + (f"x{site.parts}" if site.parts > 1 else ""))
         out.replace_all_uses_with(new)
         for node_name in reversed(site.nodes):
             self.graph.erase_node(self.nodes[node_name])
@@ -244,7 +234,7 @@ class _Rewrite:
                 elif label == "gather":
                     val = _gathered_val(val, self.n)
                 new.meta["val"] = val
-                _note(new, label)
+                note(new, "tp", label)
                 made[edge.producer] = new
             consumer.replace_input_with(producer, new)
 

@@ -18,15 +18,14 @@ the pass declares its tolerance for `plan.verify`.
 from __future__ import annotations
 
 import operator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx
 
-from fxstar.dump import NOTES_KEY
+from fxstar.dump import NOTES_KEY, note
 from fxstar.params import ParameterStore
 from fxstar.passes import Pass, register
-from fxstar.plan import mark_implemented
 from fxstar.program import ParamInfo, Program
 
 __all__ = ["TOLERANCE", "TiledLinear", "split_sizes"]
@@ -34,7 +33,6 @@ __all__ = ["TOLERANCE", "TiledLinear", "split_sizes"]
 TOLERANCE = (1e-4, 1e-6)
 """(rtol, atol) of fp32 reassociation over input tiles, for loss and every gradient."""
 
-mark_implemented("tiled_linear")
 
 aten = torch.ops.aten
 
@@ -101,8 +99,11 @@ class TiledLinear(Pass):
     """Rewrite: large linears become tiles on derived parameters."""
 
     name = "tiled_linear"
+    phase = "restructure"
+    rewrites = True
     tolerance = TOLERANCE
-    before = ("checkpoint_regions", "activation_checkpoint", "chunk_layout", "chunk_schedule")
+    before = ("checkpoint_regions", "activation_checkpoint")
+    implements = ("tiled_linear",)
 
     def enabled_by(self, plan) -> bool:
         return plan.tiled_linear is not None
@@ -111,36 +112,49 @@ class TiledLinear(Pass):
         config = program.plan.tiled_linear
         if config is None or config.in_splits * config.out_splits == 1:
             return program
-        if program.store is None:
+        program.decisions.tiled_linear = choices = decide(program, config)
+        if choices and program.store is None:
             program.store = ParameterStore(program.model)
-        fed = program.placeholder_kinds()
-        tiled = 0
-        for node in list(program.graph_module.graph.nodes):
-            parts = _linear_parts(node)
-            if parts is None:
-                continue
-            x, w, bias, in_dim = parts
-            slot = fed.get(w.name) if isinstance(w, fx.Node) else None
-            if slot is None or slot.kind != "parameter":
-                continue
-            info = program.param(slot.target)
-            if info.numel < config.min_size or len(info.shape) != 2:
-                continue
-            uses = sum(len(n.users) for n in program.graph_module.graph.nodes
-                       if n.name in info.placeholders)  # fmt: skip
-            if uses > 1:
-                node.meta.setdefault(NOTES_KEY, {})["tiled_linear"] = (
-                    f"not tiled: {slot.target} has {uses} uses (tied weight)"
-                )
-                continue
-            tiling = _Tiling(info.shape, in_dim, config.in_splits, config.out_splits)
-            _tile(program, node, x, w, bias, info, tiling)
-            tiled += 1
-        program.graph_module.graph.lint()
-        program.graph_module.recompile()
-        program.refresh_param_uses()
-        program.meta["fxstar.tiled_linear"] = tiled
+        nodes = {n.name: n for n in program.graph_module.graph.nodes}
+        for choice in choices:
+            x, w, bias, _ = _linear_parts(nodes[choice.node])
+            _tile(program, nodes[choice.node], x, w, bias, program.param(choice.weight),
+                  choice.tiling)  # fmt: skip
         return program
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """One linear to tile (tiled_linear's decision): its node, its weight, the cut."""
+
+    node: str
+    weight: str
+    tiling: _Tiling
+
+
+def decide(program: Program, config) -> list[TileChoice]:
+    """The linears whose weight is large enough and read once; notes say why others are not."""
+    fed = program.placeholder_kinds()
+    graph = program.graph_module.graph
+    choices = []
+    for node in graph.nodes:
+        parts = _linear_parts(node)
+        if parts is None:
+            continue
+        _, w, _, in_dim = parts
+        slot = fed.get(w.name) if isinstance(w, fx.Node) else None
+        if slot is None or slot.kind != "parameter":
+            continue
+        info = program.param(slot.target)
+        if info.numel < config.min_size or len(info.shape) != 2:
+            continue
+        uses = sum(len(n.users) for n in graph.nodes if n.name in info.placeholders)
+        if uses > 1:
+            note(node, "tiled_linear", f"not tiled: {slot.target} has {uses} uses (tied weight)")
+            continue
+        tiling = _Tiling(info.shape, in_dim, config.in_splits, config.out_splits)
+        choices.append(TileChoice(node.name, info.name, tiling))
+    return choices
 
 
 def _tile(

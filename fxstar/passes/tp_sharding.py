@@ -8,7 +8,7 @@ give the per-rank shape arguments, marks replicated tensors with a gradient that
 reads (their gradient is partial on each rank: summed), and with sequence parallelism finds
 the nodes that can run on a sequence slice and the edges where a tensor must be sliced,
 gathered, or have its gradient summed. Everything it decides is data in
-`program.meta[META_KEY]` (a `Sharding`), and a note per node in dumps; it needs no process
+`program.decisions.tp_sharding` (a `Sharding`), and a note per node in dumps; it needs no process
 group (only `plan.tensor_parallel.size`).
 
 Why our own propagation: see DESIGN.md, "Tensor parallel on an export graph".
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxstar.dump import NOTES_KEY, target_name
+from fxstar.dump import NOTES_KEY, note, target_name
 from fxstar.passes import Pass, register
 from fxstar.passes.tp_rules import (
     ELEMENTWISE,
@@ -43,7 +43,6 @@ from fxstar.program import Program
 
 __all__ = [
     "DEFAULT_RULES",
-    "META_KEY",
     "LinearSite",
     "Sharding",
     "TPShardingError",
@@ -51,7 +50,6 @@ __all__ = [
     "module_path",
 ]
 
-META_KEY = "fxstar.tp_sharding"
 
 DEFAULT_RULES: dict[str, str] = {
     # attention in-projections and MLP up/gate: split the outputs
@@ -507,9 +505,10 @@ def _check_slices_meet_splits(sharding: Sharding, needs_grad: set[fx.Node]) -> N
 
 @register
 class TPSharding(Pass):
-    """Analysis: writes a Sharding to program.meta[META_KEY] and a 'tp' note per node."""
+    """Analysis: writes a Sharding to program.decisions.tp_sharding and a 'tp' note per node."""
 
     name = "tp_sharding"
+    phase = "shard"
     tolerance = None
 
     def __call__(self, program: Program) -> Program:
@@ -539,7 +538,7 @@ class TPSharding(Pass):
         if config.sequence_parallel:
             _sequence_region(program, sharding, set(sharding.sharded), n)
             _check_slices_meet_splits(sharding, carrier.needs_grad)
-        program.meta[META_KEY] = sharding
+        program.decisions.tp_sharding = sharding
         self._annotate(program, sharding)
         return program
 
@@ -547,11 +546,11 @@ class TPSharding(Pass):
     def _annotate(program: Program, sharding: Sharding) -> None:
         nodes = {node.name: node for node in program.graph_module.graph.nodes}
         for site in sharding.sites:
-            note = site.style + (f"x{site.parts}" if site.parts > 1 else "")
-            nodes[site.output].meta.setdefault(NOTES_KEY, {})["tp"] = note
+            parts = f"x{site.parts}" if site.parts > 1 else ""
+            note(nodes[site.output], "tp", site.style + parts)
         for name, dim in sharding.sharded.items():
             rule = sharding.carried_by.get(name)
-            note = f"split(dim={dim}{f', {rule}' if rule else ''})"
-            nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", note)
+            text = f"split(dim={dim}{f', {rule}' if rule else ''})"
+            nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", text)
         for name in sharding.seq_nodes:
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", "seq")

@@ -13,9 +13,9 @@ from fxstar.engine import compile
 from fxstar.live_bytes import step_peak
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.activation_checkpoint import REGION_KEY, region_calls
-from fxstar.passes.checkpoint_regions import DECISION_KEY, find_regions
+from fxstar.passes.checkpoint_regions import find_regions
 from fxstar.passes.chunk_layout import nonmodel_peak
-from fxstar.passes.shape_memory import META_KEY, ShapeMemory
+from fxstar.passes.shape_memory import ShapeMemory
 from fxstar.plan import Plan, PlanError
 
 
@@ -68,20 +68,20 @@ def test_checkpoint_is_bitwise_equal_to_eager_with_dropout(kind):
 def test_patterns_and_every_k():
     args, kwargs = inputs(gpt)
     engine = compile(gpt(), Plan(checkpoint=["h.*.mlp"], verify=True, seed=0), args)
-    decision = engine.program.meta[DECISION_KEY]
+    decision = engine.program.decisions.checkpoint_regions
     assert [r.module for r in decision.chosen] == [f"h.{i}.mlp" for i in range(4)]
     engine = compile(gpt(), Plan(checkpoint="blocks", checkpoint_every=2, verify=True), args)
-    decision = engine.program.meta[DECISION_KEY]
+    decision = engine.program.decisions.checkpoint_regions
     assert [r.module for r in decision.chosen] == ["h.0", "h.2"]
     assert "every 2" in dump(engine)
 
 
 def test_saved_bytes_of_blocks_are_at_least_4x_smaller():
     args, _ = inputs(gpt)
-    plain = compile(gpt(), Plan(passes=["shape_memory"]), args).program.meta[META_KEY]
+    plain = compile(gpt(), Plan(passes=["shape_memory"]), args).program.decisions.shape_memory
     engine = compile(gpt(), Plan(checkpoint="blocks"), args)
     ShapeMemory()(engine.program)  # measures the rewritten graph's run: only inputs are saved
-    after = engine.program.meta[META_KEY]
+    after = engine.program.decisions.shape_memory
     for block in (f"h.{i}" for i in range(4)):
         assert after.blocks[block].saved_bytes * 4 <= plain.blocks[block].saved_bytes
 
@@ -103,13 +103,13 @@ def test_dump_shows_regions_and_their_nodes():
 def test_auto_chooses_the_fewest_regions_that_fit():
     args, _ = inputs(gpt)
     program = compile(gpt(), Plan(passes=["shape_memory"]), args).program
-    report = program.meta[META_KEY]
+    report = program.decisions.shape_memory
     plain = report.saved_bytes + report.largest_backward  # the peak at the backward's start
     chosen = {}
     for share in (1.0, 0.8, 0.6):
         budget = int(plain * share)
         engine = compile(gpt(), Plan(checkpoint="auto", activation_memory=budget), args)
-        decision = engine.program.meta[DECISION_KEY]
+        decision = engine.program.decisions.checkpoint_regions
         assert decision.mode == "auto" and decision.budget == budget
         assert decision.estimate <= budget
         assert len(region_calls(engine.program.graph_module)) == len(decision.chosen)
@@ -152,12 +152,14 @@ def test_regions_run_plainly_without_grad():
 
 def test_auto_checkpoints_part_of_the_last_block_when_that_is_enough():
     args, _ = inputs(gpt)
-    saved = compile(gpt(), Plan(passes=["shape_memory"]), args).program.meta[META_KEY].saved_bytes
+    saved = compile(
+        gpt(), Plan(passes=["shape_memory"]), args
+    ).program.decisions.shape_memory.saved_bytes
     found = None
     for share in (0.97, 0.94, 0.91, 0.88, 0.85, 0.82):
         budget = int(saved * share)
         engine = compile(gpt(), Plan(checkpoint="auto", activation_memory=budget), args)
-        decision = engine.program.meta[DECISION_KEY]
+        decision = engine.program.decisions.checkpoint_regions
         assert decision.estimate <= budget
         modules = [r.module for r in decision.chosen]
         if modules and modules[-1].count(".") == 2:  # a child of a block, e.g. 'h.0.mlp'
@@ -191,7 +193,7 @@ def test_the_backward_peak_estimate_matches_a_measured_step(kind, checkpoint):
                     offload_activations=offload)  # fmt: skip
         plan = plan.replace(activation_memory=budget) if checkpoint == "auto" else plan
         engine = compile(make(), plan, **example(kind, ids, targets))
-        estimate = engine.program.meta[DECISION_KEY].estimate
+        estimate = engine.program.decisions.checkpoint_regions.estimate
     measured = step_peak(lambda: call(kind, engine, ids, targets), engine.parameters(), ())
     assert estimate == pytest.approx(measured, rel=0.03, abs=SMALL_TENSORS)
     if checkpoint == "auto":
@@ -209,7 +211,7 @@ def test_auto_lands_within_ten_percent_of_its_budget_at_a_realistic_width():
     budget = nonmodel_peak(plain.program) // 2
     engine = compile(GPT(cfg), Plan(checkpoint="auto", activation_memory=budget), (ids, targets))
     measured = step_peak(engine, engine.parameters(), (ids, targets))
-    assert engine.program.meta[DECISION_KEY].estimate == pytest.approx(measured, rel=0.01)
+    assert engine.program.decisions.checkpoint_regions.estimate == pytest.approx(measured, rel=0.01)
     assert 0.9 * budget <= measured <= budget
 
 
@@ -324,10 +326,10 @@ def test_auto_refines_past_a_child_module_that_cannot_be_a_region():
     children = [r.module for r in find_regions(graph, ("vit.layers.0.*",), skip_conflicts=True)]
     assert "vit.layers.0.mlp" in children and "vit.layers.0.dropout" not in children
     program = compile(vit(), Plan(passes=["shape_memory"]), example_kwargs=images).program
-    budget = int(program.meta[META_KEY].saved_bytes * 0.9)  # part of one block is enough
+    budget = int(program.decisions.shape_memory.saved_bytes * 0.9)  # part of one block is enough
     engine = assert_trains_like_eager(vit, Plan(checkpoint="auto", activation_memory=budget),
                                       kwargs=images)  # fmt: skip
-    chosen = [r.module for r in engine.program.meta[DECISION_KEY].chosen]
+    chosen = [r.module for r in engine.program.decisions.checkpoint_regions.chosen]
     assert len(chosen) == 1 and chosen[0].startswith("vit.layers.0.")
     engine = assert_trains_like_eager(vit, Plan(checkpoint="blocks"), kwargs=images)
     assert len(region_calls(engine.program.graph_module)) == 2

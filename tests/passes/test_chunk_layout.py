@@ -20,21 +20,19 @@ from conftest import (
 
 from fxstar.capture import capture
 from fxstar.engine import compile
-from fxstar.passes import PassManager, passes_for
+from fxstar.passes import PassManager, ensure_fresh, passes_for
 from fxstar.passes.chunk_layout import (
     BUDGET_KEY,
     LAYOUT_KEY,
-    NEED_KEY,
     ChunkLayoutError,
     ChunkLayoutPass,
     auto_budget,
     candidate_layouts,
     chunked_params,
     make_layout,
-    measure,
     pack,
 )
-from fxstar.passes.chunk_schedule import PLAN_KEY, AccessForecast, ChunkSchedule, ChunkScheduleError
+from fxstar.passes.chunk_schedule import AccessForecast, ChunkSchedule, ChunkScheduleError
 from fxstar.plan import Plan, PlanError
 
 
@@ -50,7 +48,7 @@ def roomy() -> int:
 def test_first_use_order_and_ties_stored_once():
     model = tiny_gpt()
     engine = compiled(model, device_memory=roomy())
-    layout = engine.program.meta[LAYOUT_KEY]
+    layout = engine.program.decisions.chunk_layout
     order = [p.name for c in layout.chunks for p in c.params]
     uses = {p.name: i for i, p in enumerate(engine.program.params)}
     assert order == sorted(order, key=uses.__getitem__)  # packed in first-use order
@@ -68,10 +66,10 @@ def test_first_use_order_and_ties_stored_once():
 def test_auto_size_holds_the_largest_and_leaves_room_for_one_more_chunk():
     budget = roomy()
     engine = compiled(tiny_gpt(), device_memory=budget)
-    layout = engine.program.meta[LAYOUT_KEY]
+    layout = engine.program.decisions.chunk_layout
     largest = max(p.numel() for p in tiny_gpt().parameters())
     assert layout.chunk_size >= largest
-    plan = engine.program.meta[PLAN_KEY].access
+    plan = engine.program.decisions.chunk_plan.access
     for pinned, nonmodel in zip(plan.pinned_at_once, plan.nonmodel_bytes, strict=True):
         assert (pinned + 1) * layout.chunk_bytes <= budget - nonmodel
 
@@ -122,11 +120,11 @@ def test_one_dtype_per_layout():
 
 def test_layout_is_shared_by_every_capture():
     engine = compiled(tiny_gpt(), device_memory=roomy())
-    first = engine.program.meta[LAYOUT_KEY]
+    first = engine.program.decisions.chunk_layout
     ids, targets = tokens(seq=8)
     engine(ids, targets).backward()
     assert len(engine.programs) == 2
-    assert all(p.meta[LAYOUT_KEY] is first for p in engine.programs.values())
+    assert all(p.decisions.chunk_layout is first for p in engine.programs.values())
     assert torch.isfinite(engine(ids, targets))
 
 
@@ -185,9 +183,9 @@ def test_auto_size_leaves_hybrid_adam_chunks_it_can_keep():
     batch = (torch.randint(0, 2048, (2, 128)), torch.randint(0, 2048, (2, 128)))
     budget = activation_budget(gpt, 2.0, example_inputs=batch)
     one = compile(gpt(), Plan(device_memory=budget, hybrid_adam=False), batch)
-    assert len(one.program.meta[LAYOUT_KEY].chunks) == 1
+    assert len(one.program.decisions.chunk_layout.chunks) == 1
     engine = compile(gpt(), Plan(device_memory=budget), batch)
-    assert len(engine.program.meta[LAYOUT_KEY].chunks) > 1
+    assert len(engine.program.decisions.chunk_layout.chunks) > 1
     engine(*batch).backward()
     engine.step()
     assert engine.optimizer.device_chunks
@@ -211,17 +209,17 @@ def prepared(kind: str, plan: Plan):
                       inputs.get("example_kwargs"), plan=plan)  # fmt: skip
     names = [n for n in PassManager(passes_for(plan)).names if not n.startswith("chunk_")]
     program = PassManager(names).run(program)
-    measure(program)
-    program.record("shape_memory")
+    ensure_fresh(program, "shape_memory")
     return program
 
 
-def copied(program, plan: Plan, **meta):
+def copied(program, plan: Plan, **decisions):
     """A copy the chunk passes may rewrite, under `plan`."""
     return dataclasses.replace(
         program, plan=plan, graph_module=copy.deepcopy(program.graph_module),
         inputs=list(program.inputs), params=[dataclasses.replace(p) for p in program.params],
-        meta={**program.meta, **meta}, stages=list(program.stages), shared={},
+        decisions=dataclasses.replace(program.decisions, **decisions),
+        stages=list(program.stages), shared={},
     )  # fmt: skip
 
 
@@ -242,7 +240,7 @@ def test_the_search_sees_the_access_plan_chunk_schedule_makes(kind, options):
     forecast = AccessForecast(program)
     for layout in candidate_layouts(chunked_params(program)):
         scheduled = ChunkSchedule()(copied(program, plan, **{LAYOUT_KEY: layout}))
-        assert forecast.plan(layout) == scheduled.meta[PLAN_KEY].access, layout.chunk_size
+        assert forecast.plan(layout) == scheduled.decisions.chunk_plan.access, layout.chunk_size
 
 
 def least_sizes(params) -> list[int]:
@@ -300,7 +298,7 @@ def test_auto_finds_a_size_that_fits_whenever_one_does(kind, options):
         scheduled = ChunkSchedule()(
             copied(program, plan.replace(device_memory=None), **{LAYOUT_KEY: layout})
         )
-        needs[size] = least_budget(plan, scheduled.meta[PLAN_KEY].access, layout.chunk_bytes)
+        needs[size] = least_budget(plan, scheduled.decisions.chunk_plan.access, layout.chunk_bytes)
     edges = sorted(set(needs.values()))
     smallest = edges[0]
     for edge in [*edges[:: max(1, len(edges) // 5)], edges[-1]]:
@@ -312,12 +310,12 @@ def test_auto_finds_a_size_that_fits_whenever_one_does(kind, options):
                 assert smallest_in(error.value) == smallest
                 continue
             done = ChunkSchedule()(ChunkLayoutPass()(copied(program, under)))
-            layout = done.meta[LAYOUT_KEY]
-            assert fits(under, done.meta[PLAN_KEY].access, layout.chunk_bytes, budget), (
+            layout = done.decisions.chunk_layout
+            assert fits(under, done.decisions.chunk_plan.access, layout.chunk_bytes, budget), (
                 budget,
                 layout,
             )
-            assert done.meta[NEED_KEY].device_memory == smallest
+            assert done.decisions.budget_need.device_memory == smallest
 
 
 @pytest.mark.parametrize(
@@ -355,7 +353,7 @@ def test_device_memory_auto_is_the_smallest_that_works():
         Plan(device_memory="automatic")
     eager, model = tiny_gpt(), tiny_gpt()
     engine = compile(model, plan, tokens())
-    smallest = engine.program.meta[NEED_KEY].device_memory
+    smallest = engine.program.decisions.budget_need.device_memory
     assert engine.program.shared[BUDGET_KEY] == engine.chunks.budget == smallest
     engine.chunks.checking = True
     for step in range(2):
@@ -375,7 +373,7 @@ def test_device_memory_auto_on_cuda_is_its_capacity_times_overall_gpu_mem_ratio(
                         lambda device: SimpleNamespace(total_memory=10 * 2**20))  # fmt: skip
     ChunkLayoutPass()(program)
     assert program.shared[BUDGET_KEY] == int(10 * 2**20 * 0.8)
-    assert auto_budget(program, program.meta[NEED_KEY]) == program.shared[BUDGET_KEY]
+    assert auto_budget(program, program.decisions.budget_need) == program.shared[BUDGET_KEY]
 
 
 def test_a_model_without_parameters_gets_a_clear_error():

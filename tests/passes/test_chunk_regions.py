@@ -6,7 +6,6 @@ from conftest import assert_same_step, example, hf_gpt2, hf_llama, tiny_gpt, tok
 
 from fxstar.engine import compile
 from fxstar.passes.activation_checkpoint import region_calls
-from fxstar.passes.chunk_schedule import PLAN_KEY
 from fxstar.plan import Plan
 from fxstar.runtime import ops
 
@@ -44,7 +43,7 @@ def test_fetches_live_inside_the_regions_and_recomputation_is_planned():
     call_node, region = region_calls(engine.program.graph_module)[0]
     assert any(n.target is ops.fetch for n in region.graph.nodes)
     assert not any(getattr(a, "op", None) == "placeholder" for a in call_node.args)
-    plan = engine.program.meta[PLAN_KEY].access
+    plan = engine.program.decisions.chunk_plan.access
     inside = [n.args[1] for n in region.graph.nodes if n.target is ops.fetch]
     backward = plan.chunks[plan.forward_len :]
     assert all(c in backward for c in inside)  # fetched again for the recomputation

@@ -7,7 +7,7 @@ from torch import nn
 
 from fxstar.dump import dump
 from fxstar.engine import compile
-from fxstar.passes.chunk_schedule import PLAN_KEY, ChunkScheduleError
+from fxstar.passes.chunk_schedule import ChunkScheduleError
 from fxstar.plan import Plan
 from fxstar.runtime import ops
 
@@ -85,7 +85,7 @@ def test_plan_lists_forward_fetches_then_backward_unpacks():
         Plan(device_memory=activation_budget(tiny_gpt, 0.4, example_inputs=inputs)),
         inputs,
     )
-    plan = engine.program.meta[PLAN_KEY].access
+    plan = engine.program.decisions.chunk_plan.access
     forward = plan.forward_len
     assert plan.phases == ["forward"] * forward + ["backward"] * (len(plan) - forward)
     assert max(plan.nonmodel_bytes) == plan.nonmodel_bytes[forward]  # the turn is the peak
@@ -127,7 +127,7 @@ def test_an_edited_plan_is_honoured_and_refining_makes_a_new_stage():
     first traced step refines into a new plan and stage, never rewriting the compiled one."""
     import copy
 
-    from fxstar.engine import OBSERVED_KEY, REFINED_STAGE
+    from fxstar.engine import REFINED_STAGE
     from fxstar.runtime.layout import ChunkPlan
 
     inputs = tokens()
@@ -136,7 +136,7 @@ def test_an_edited_plan_is_honoured_and_refining_makes_a_new_stage():
     for share in (None, "edited"):
         eager, model = tiny_gpt(), tiny_gpt()
         engine = compile(model, Plan(device_memory=budget), inputs)
-        compiled = engine.program.meta[PLAN_KEY]
+        compiled = engine.program.decisions.chunk_plan
         assert isinstance(compiled, ChunkPlan) and compiled.budget == budget
         if share:
             compiled.static_share = 2 * engine.chunks.layout.chunk_bytes
@@ -146,11 +146,11 @@ def test_an_edited_plan_is_honoured_and_refining_makes_a_new_stage():
             assert_same_step("gpt", eager, engine, step)
             engine.zero_grad()
             eager.zero_grad()
-        refined = engine.program.meta[PLAN_KEY]
+        refined = engine.program.decisions.chunk_plan
         assert refined is not compiled and refined.observed is not None
         assert refined.static_share == compiled.static_share
         assert compiled == before  # the compiled decision is as it was
-        assert engine.program.meta[OBSERVED_KEY] is refined.observed
+        assert engine.program.decisions.chunk_observed is refined.observed
         assert [s.name for s in engine.program.stages][-1] == REFINED_STAGE
         assert "refined from a traced step" in engine.report()
         runs[share] = engine.chunks.stats.evictions

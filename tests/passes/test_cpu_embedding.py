@@ -6,7 +6,6 @@ from conftest import activation_budget, call, example, tiny_gpt, tokens
 
 from fxstar.dump import dump
 from fxstar.engine import compile
-from fxstar.passes.cpu_embedding import META_KEY
 from fxstar.plan import Plan
 
 VOCAB = 512  # large enough that the embedding is the largest parameter
@@ -63,7 +62,7 @@ def test_untied_training_matches_eager_bitwise():
         optimizer={"lr": 1e-3},
     )
     engine = compile(model, plan, **example("llama", *batch()))
-    assert engine.program.meta[META_KEY]["host"] == ["model.embed_tokens.weight"]
+    assert engine.program.decisions.cpu_embedding.host == ["model.embed_tokens.weight"]
     assert "ops.to_host" in dump(engine) and "cpu_embedding=on the host" in dump(engine)
     ids, targets = batch()
     expected = call("llama", eager, ids, targets)
@@ -83,7 +82,8 @@ def test_untied_training_matches_eager_bitwise():
 def test_a_tied_embedding_stays_in_the_chunks_and_says_so():
     ids, targets = tokens()
     engine = compile(tiny_gpt(), Plan(device_memory="1MiB", cpu_embedding=True), (ids, targets))
-    assert engine.program.meta[META_KEY] == {"host": ["wpe.weight"], "kept": ["head.weight"]}
+    decision = engine.program.decisions.cpu_embedding
+    assert (decision.host, decision.kept) == (["wpe.weight"], ["head.weight"])
     assert "cpu_embedding=kept in chunks: also read by" in dump(engine)
     assert "head.weight" in engine.chunks.layout.slots()
 
@@ -107,7 +107,7 @@ def test_low_precision_keeps_the_host_embedding_as_its_fp32_master(precision):
         runs[cpu_embedding] = engine, model, losses
     engine, model, losses = runs[True]
     weight = model.model.embed_tokens.weight
-    assert engine.program.meta[META_KEY]["host"] == ["model.embed_tokens.weight"]
+    assert engine.program.decisions.cpu_embedding.host == ["model.embed_tokens.weight"]
     assert weight.dtype == torch.float32 and "model.embed_tokens.weight" not in (
         engine.chunks.layout.slots()
     )

@@ -16,9 +16,9 @@ def registry():
     """Register throwaway passes and remove them afterwards."""
     names = []
 
-    def add(name, **options):
-        passes.register(FunctionPass(lambda program: program, name=name, **options))
+    def add(name, fn=lambda program: program, **options):
         names.append(name)
+        passes.register(FunctionPass(fn, name=name, **options))
 
     yield add
     for name in names:
@@ -145,3 +145,67 @@ def test_a_crash_inside_a_pass_names_the_pass_and_the_node():
     assert dump(error.program).startswith("# stage 0: capture")  # the graph the pass got
     with pytest.raises(PlanError, match="explains itself"):  # passes through unchanged
         PassManager([FunctionPass(refuse)]).run(program)
+
+
+def test_phases_order_passes_before_constraints(registry):
+    registry("t_late", phase="schedule")
+    registry("t_early", phase="shard")
+    registry("t_mid", phase="restructure")
+    registry("t_mid2", phase="restructure", before=("t_mid",))
+    assert PassManager(["t_late", "t_mid", "t_early", "t_mid2"]).names == [
+        "t_early", "t_mid2", "t_mid", "t_late"
+    ]  # fmt: skip
+    assert passes.PHASES == ("shard", "analyse", "restructure", "place", "schedule")
+    registry("t_against", phase="shard", after=("t_mid",))
+    with pytest.raises(PassOrderError, match="'t_against' \\(phase shard\\).*after 't_mid'"):
+        PassManager(["t_mid", "t_against"])
+    registry("t_needs_later", phase="shard", requires=("t_late",))
+    with pytest.raises(PassOrderError, match="'t_needs_later'.*requires 't_late'.*later"):
+        PassManager(["t_needs_later"])
+    with pytest.raises(ValueError, match="phase 'sometime' is not one of"):
+        registry("t_bad_phase", phase="sometime")
+
+
+def _gelu_to_relu(program):
+    """A rewrite that leaves linting and recompiling to the manager."""
+    for node in program.graph_module.graph.nodes:
+        if node.target is torch.ops.aten.gelu.default:
+            node.target = torch.ops.aten.relu.default
+    return program
+
+
+def test_a_stale_analysis_is_rerun_before_a_pass_that_requires_it_fresh(registry):
+    seen = []
+    registry("t_relu", phase="restructure", rewrites=True, fn=_gelu_to_relu)
+    registry("t_reader", phase="place", requires_fresh=("shape_memory",),
+             fn=lambda program: seen.append(program.decisions.shape_memory))  # fmt: skip
+    registry("t_second", phase="place", requires_fresh=("shape_memory",), after=("t_reader",))
+    program = capture(tiny_gpt(), tokens())
+    out = PassManager(["shape_memory", "t_relu", "t_reader", "t_second"]).run(program)
+    # measured in its phase, again after the rewrite, not again for t_second: still fresh
+    assert [s.name for s in out.stages] == [
+        "capture", "shape_memory", "t_relu", "shape_memory", "t_reader", "t_second"
+    ]  # fmt: skip
+    assert seen == [out.decisions.shape_memory]
+    # the manager finalised the rewrite: the generated code runs relu, not gelu
+    code = out.graph_module.code
+    assert "aten.relu.default" in code and "aten.gelu" not in code
+    assert passes.is_fresh(out, "shape_memory")
+    # not asked for at all: the pass that needs it gets it
+    program = capture(tiny_gpt(), tokens())
+    names = [s.name for s in PassManager(["t_reader"]).run(program).stages]
+    assert names == ["capture", "shape_memory", "t_reader"]
+
+
+def test_built_in_passes_declare_phases_and_what_they_implement():
+    declared = {name: (p.phase, p.rewrites) for name, p in passes.registered().items()}
+    assert declared["shape_memory"] == ("analyse", False)
+    assert declared["tp_sharding"] == ("shard", False)
+    assert declared["tensor_parallel"] == ("shard", True)
+    assert declared["checkpoint_regions"] == ("restructure", False)
+    assert declared["activation_checkpoint"] == ("restructure", True)
+    assert declared["chunk_layout"] == ("place", False)
+    assert declared["chunk_schedule"] == ("schedule", True)
+    assert "cpu_embedding" in passes.get("cpu_embedding").implements
+    assert {"device_memory", "chunk_size"} <= set(passes.get("chunk_layout").implements)
+    assert "device_memory" in passes.implemented_options()

@@ -7,7 +7,6 @@ from conftest import hf_gpt2, hf_llama, inputs, tiny_gpt
 from fxstar.dump import dump
 from fxstar.engine import compile
 from fxstar.models.gpt import GPT, GPTConfig
-from fxstar.passes.offload_activations import META_KEY
 from fxstar.plan import Plan, PlanError
 from fxstar.runtime.offload import ActivationOffload
 
@@ -20,7 +19,7 @@ def test_offload_is_bitwise_equal_to_eager(kind):
     make = MODELS[kind]
     args, kwargs = inputs(make)
     engine = compile(make(), PLAN.replace(verify=True), args, kwargs)  # bitwise, every grad
-    offload = engine.program.meta[META_KEY]
+    offload = engine.program.decisions.offload_activations
     assert isinstance(offload, ActivationOffload)
     assert offload.stats.to_host_bytes > 0
     assert offload.stats.to_device_bytes == offload.stats.to_host_bytes
@@ -32,7 +31,7 @@ def test_at_most_two_regions_resident_in_backward():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32))
     args, _ = inputs(tiny_gpt)
     engine = compile(model, PLAN, args)
-    offload = engine.program.meta[META_KEY]
+    offload = engine.program.decisions.offload_activations
     offload.reset_stats()
     engine(*args).backward()
     region_input = 2 * 16 * 32 * 4  # each block keeps its input x
@@ -49,7 +48,7 @@ def test_at_most_two_regions_resident_in_backward():
 def test_inputs_live_on_the_host_between_forward_and_backward():
     args, _ = inputs(tiny_gpt)
     engine = compile(tiny_gpt(), PLAN, args)
-    offload = engine.program.meta[META_KEY]
+    offload = engine.program.decisions.offload_activations
     loss = engine(*args)
     handles = [h for hs in offload._regions.values() for h in hs]
     assert len(handles) == 2 and all(h.restored is None for h in handles)

@@ -19,7 +19,7 @@ from fxstar.capture import capture
 from fxstar.dist_launch import spawn
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes.tp_rules import Call, Refusal, Shard, rule_for
-from fxstar.passes.tp_sharding import META_KEY, TPShardingError
+from fxstar.passes.tp_sharding import TPShardingError
 from fxstar.plan import Plan
 from fxstar.runtime import dist as tp
 
@@ -172,7 +172,7 @@ def _analyse(model, args, kwargs, plan):
 def test_sharding_finds_linears_fused_qkv_and_per_rank_shapes():
     args, kwargs = _inputs("gpt")
     program = _analyse(gpt(), args, kwargs, _plan(2, sp=True))
-    s = program.meta[META_KEY]
+    s = program.decisions.tp_sharding
     styles = [(site.module, site.style, site.parts) for site in s.sites[:4]]
     assert styles == [("h.0.attn.c_attn", "column", 3), ("h.0.attn.c_proj", "row", 1),
                       ("h.0.mlp.c_fc", "column", 1), ("h.0.mlp.c_proj", "row", 1)]  # fmt: skip
@@ -195,7 +195,7 @@ def test_plan_enables_the_pass_and_rules_override_defaults():
     args, kwargs = _inputs("gpt")
     rules = {"h.*.mlp.*": "replicate"}
     plan = Plan(tensor_parallel={"size": 2, "rules": rules})
-    s = _analyse(gpt(), args, kwargs, plan).meta[META_KEY]
+    s = _analyse(gpt(), args, kwargs, plan).decisions.tp_sharding
     assert all(".mlp." not in site.module for site in s.sites)
 
 
@@ -353,12 +353,12 @@ def test_default_configs_cache_cat_interleaved_qkv_and_qk_norm_decisions():
     pytest.importorskip("transformers")
     args, kwargs = _inputs("gpt2_default")
     plan = _plan(2, sp=False)
-    s = _analyse(gpt2_default(), args, kwargs, plan).meta[META_KEY]
+    s = _analyse(gpt2_default(), args, kwargs, plan).decisions.tp_sharding
     cats = [name for name, rule in s.carried_by.items() if rule == "cat"]
     assert len(cats) == 4 and all(s.sharded[c] == 1 and c not in s.args for c in cats)
 
     program = _analyse(gpt_neox(), args, kwargs, plan)
-    s = program.meta[META_KEY]
+    s = program.decisions.tp_sharding
     qkv = s.sites[0]
     assert qkv.module.endswith("layers.0.attention.query_key_value")
     assert (qkv.style, qkv.parts) == ("column", 1)  # a contiguous split: whole heads per rank
@@ -370,12 +370,12 @@ def test_default_configs_cache_cat_interleaved_qkv_and_qk_norm_decisions():
     assert (s.carried_by[chunk], s.sharded[chunk]) == ("split", 1)
     assert "tp=split(dim=2, view)" in fxstar.dump(program)
 
-    s = _analyse(qwen3(), args, kwargs, plan).meta[META_KEY]
+    s = _analyse(qwen3(), args, kwargs, plan).decisions.tp_sharding
     reduced = {e.producer for e in s.grad_reduces}
     assert reduced == {f"p_model_model_layers_{i}_self_attn_{x}_norm_weight"
                        for i in (0, 1) for x in "qk"}  # fmt: skip
 
-    s = _analyse(phi3(), args, kwargs, plan).meta[META_KEY]
+    s = _analyse(phi3(), args, kwargs, plan).decisions.tp_sharding
     assert [site.parts for site in s.sites[:4]] == [3, 1, 2, 1]  # qkv, o, gate_up, down
     assert [s.args[f"slice_{i}"][2:] for i in (1, 2, 3)] == [(0, 16), (16, 32), (32, 48)]
 

@@ -55,6 +55,8 @@ def test_tied_weight_is_left_whole_with_a_note():
     assert "wte.weight" in dict(engine.named_parameters())
     assert "tiled_linear=not tiled: head.weight has 2 uses (tied weight)" in dump(engine)
     assert "tiled_linear=2x2 tiles of h.0.attn.c_attn.weight" in dump(engine)
+    chosen = [choice.weight for choice in engine.program.decisions.tiled_linear]
+    assert "head.weight" not in chosen and "h.0.attn.c_attn.weight" in chosen  # decided first
 
 
 def test_gpt2_conv1d_addmm_becomes_mm_tiles():

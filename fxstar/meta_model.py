@@ -1,0 +1,123 @@
+"""Models built on the meta device: the engine compiles them without their weights and writes
+the weights straight into the chunk homes afterwards, so the host never holds the model twice.
+
+The parameters stay on the meta device until the chunks exist: capture traces them as fake
+tensors, shape_memory measures on fake tensors, chunk_layout and chunk_schedule need shapes
+only. Then each parameter is a view of its chunk home, and `fill` gives the homes their values
+from `weights`: a safetensors file or directory (transformers' sharded layout included) read
+tensor by tensor, "init" (each module's `reset_parameters`, or transformers' own init for a
+transformers model), or a function of one module. Buffers are small: they get real storage
+before capture and their values from the same source.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxstar.capture import is_meta
+from fxstar.errors import UsageError
+from fxstar.weights import WeightSource, initialize, materialize, tied_names
+
+__all__ = ["Weights", "check_plan", "fill", "give_buffers_storage", "is_meta"]
+
+Weights = str | os.PathLike | Callable[[nn.Module], Any] | None
+
+
+def check_plan(model: nn.Module, plan: Any, weights: Weights) -> None:
+    """What a meta model needs of the plan and of `weights`, each refusal with its remedy."""
+    if weights is None:
+        raise UsageError(
+            f"{type(model).__name__} has parameters on the meta device (no values): pass "
+            "weights= to fxstar.compile: a safetensors file or checkpoint directory to read "
+            "them from, 'init' to initialise them in their chunk homes, or a function of one "
+            "module"
+        )
+    needs = {
+        "device_memory": plan.device_memory is None,
+        "verify": plan.verify,
+        "tensor_parallel": plan.tensor_parallel is not None,
+        "tiled_linear": plan.tiled_linear is not None,
+    }
+    if needs["device_memory"]:
+        raise UsageError(
+            "a model on the meta device trains through the chunk engine, which gives every "
+            "parameter its home: set plan.device_memory (a budget, or 'auto'); to train it "
+            "without chunks, build it on the host (or model.to_empty(device='cpu') and load it)"
+        )
+    refused = [name for name in ("verify", "tensor_parallel", "tiled_linear") if needs[name]]
+    if refused:
+        raise UsageError(
+            f"plan.{', plan.'.join(refused)}: not supported yet for a model built on the meta "
+            "device (verify runs the model eagerly; the others cut parameters before the chunks "
+            "hold them); build the model on the host for these"
+        )
+
+
+def give_buffers_storage(model: nn.Module, device: torch.device | str = "cpu") -> list[str]:
+    """Zeroed storage for every buffer on the meta device (their values come with the
+    weights); returns their names."""
+    named = []
+    for prefix, module in model.named_modules():
+        for attr, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[attr] = torch.zeros(buffer.shape, dtype=buffer.dtype,
+                                                    device=device)  # fmt: skip
+                named.append(f"{prefix}.{attr}" if prefix else attr)
+    return named
+
+
+def fill(model: nn.Module, weights: Weights, buffers: list[str]) -> str:
+    """Give the model's parameters (views of their chunk homes by now) and the `buffers` that
+    had no values their values from `weights`; returns a line for the report."""
+    if callable(weights) or weights == "init":
+        report = initialize(model, {}, init=None if weights == "init" else weights)
+        return (f"weights: initialised in their chunk homes by {report.init} "
+                f"({len(report.modules)} modules, {report.seconds:.2f}s)")  # fmt: skip
+    state = dict(model.named_parameters(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True))
+    buffers_read = {n: b for n, b in model.named_buffers() if n in persistent}
+    with WeightSource(weights) as source:
+        report = materialize({**_first_names(state, model), **buffers_read}, source,
+                             aliases=tied_names(model))  # fmt: skip
+    unfilled = [name for name in buffers if name not in persistent]
+    if unfilled:
+        _compute_buffers(model, unfilled)
+    return f"weights: read from {os.fspath(weights)} ({report})"
+
+
+def _first_names(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """One name per parameter (a tied one's others are its aliases)."""
+    seen, out = set(), {}
+    for name, p in state.items():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[name] = p
+    return out
+
+
+def _compute_buffers(model: nn.Module, names: list[str]) -> None:
+    """Buffers a checkpoint does not hold (non-persistent: rotary frequencies, masks) were
+    computed by the constructor, on the meta device: a transformers model computes them again
+    in its init of the module owning them; any other model cannot, and is refused by name."""
+    owners = {name.rpartition(".")[0] for name in names}
+    init = getattr(model, "_init_weights", None)
+    is_transformers = any(c.__module__.startswith("transformers") for c in type(model).__mro__)
+    if not (is_transformers and callable(init)):
+        raise UsageError(
+            f"buffers {', '.join(names)} are not in the checkpoint (not persistent) and were "
+            "built on the meta device, so they have no values: build the model with them on "
+            "the host (create it under torch.device('meta') only for parameters) or pass "
+            "weights='init'"
+        )
+    with torch.no_grad():
+        for owner in sorted(owners):
+            module = model.get_submodule(owner)
+            if next(module.parameters(recurse=False), None) is not None:
+                raise UsageError(f"buffers of {owner} would be recomputed by an init that "
+                                 "also resets its parameters; build it on the host")  # fmt: skip
+            init(module)

@@ -1,0 +1,121 @@
+"""Models built on the meta device: compiled without their weights, which are written into the
+chunk homes afterwards (from safetensors, or initialised there), and then train exactly like
+the same model built on the host."""
+
+import pytest
+import torch
+from conftest import call, example, hf_llama, tiny_gpt, tokens
+from torch import nn
+
+import fxstar
+from fxstar.errors import UsageError
+from fxstar.weights import WeightsError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _on_meta(factory):
+    with torch.device("meta"):
+        return factory()
+
+
+def _train(kind, engine, ids, targets, steps=2):
+    """Losses, the first step's gradients, and the parameters after `steps` steps."""
+    losses, grads = [], None
+    for step in range(steps):
+        torch.manual_seed(10 + step)
+        loss = call(kind, engine, ids, targets)
+        loss.backward()
+        if grads is None:
+            grads = {n: g.clone() for n, g in engine.gradients().items()}
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return losses, grads, params
+
+
+def _same(a, b):
+    assert a[0] == b[0]
+    assert a[1].keys() == b[1].keys() and a[2].keys() == b[2].keys()
+    assert all(torch.equal(a[1][n], b[1][n]) for n in a[1]), "gradients differ"
+    assert all(torch.equal(a[2][n], b[2][n]) for n in a[2]), "parameters differ"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt_from_safetensors_trains_bitwise_like_the_host_model(tmp_path, precision):
+    from safetensors.torch import save_model
+
+    host = tiny_gpt()
+    save_model(host, str(tmp_path / "model.safetensors"))  # a tied head is stored once
+    ids, targets = tokens()
+    plan = fxstar.Plan(device_memory="auto", precision=precision,
+                       optimizer={"lr": 1e-2})  # fmt: skip
+    reference = _train("gpt", fxstar.compile(host, plan, (ids, targets)), ids, targets)
+    meta = _on_meta(tiny_gpt)
+    engine = fxstar.compile(meta, plan, (ids, targets), weights=tmp_path)
+    assert "weights: read from" in engine.report()
+    _same(_train("gpt", engine, ids, targets), reference)
+    assert not any(p.is_meta for p in meta.parameters())
+    assert meta.head.weight is meta.wte.weight  # still tied, now to its chunk home
+
+
+def test_transformers_sharded_checkpoint_into_a_meta_model(tmp_path):
+    host = hf_llama()
+    host.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards and an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ids, targets = tokens()
+    inputs = example("llama", ids, targets)
+    plan = fxstar.Plan(device_memory="auto", optimizer={"lr": 1e-2})
+    reference = _train("llama", fxstar.compile(host, plan, **inputs), ids, targets)
+    meta = _on_meta(hf_llama)
+    assert meta.model.rotary_emb.inv_freq.is_meta  # not in the checkpoint: computed again
+    engine = fxstar.compile(meta, plan, **inputs, weights=tmp_path)
+    torch.testing.assert_close(meta.model.rotary_emb.inv_freq, host.model.rotary_emb.inv_freq,
+                               rtol=0, atol=0)  # fmt: skip
+    _same(_train("llama", engine, ids, targets), reference)
+
+
+def _mlp_with_batchnorm():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_init_writes_each_modules_reset_parameters_into_the_chunk_homes():
+    host = _mlp_with_batchnorm()  # built on the host: reset_parameters drew in module order
+    meta = _on_meta(_mlp_with_batchnorm)
+    x = torch.randn(8, 16)
+    plan = fxstar.Plan(device_memory="auto", loss_fn=nn.functional.cross_entropy)
+    targets = torch.randint(0, 4, (8,))
+    torch.manual_seed(0)  # the seed the host construction drew under
+    engine = fxstar.compile(meta, plan, (x, targets), weights="init")
+    for (name, got), want in zip(meta.state_dict().items(), host.state_dict().values(),
+                                 strict=True):  # fmt: skip
+        assert torch.equal(got, want), name
+    assert "initialised in their chunk homes by reset_parameters" in engine.report()
+    loss = engine(x, targets)
+    loss.backward()
+    engine.step()
+    assert torch.isfinite(loss)
+    assert not torch.equal(meta[1].running_mean, host[1].running_mean)  # BatchNorm trained
+
+
+def test_what_a_meta_model_needs_is_said_by_name(tmp_path):
+    ids, targets = tokens()
+    with pytest.raises(UsageError, match="meta device.*weights="):
+        fxstar.compile(_on_meta(tiny_gpt), fxstar.Plan(device_memory="auto"), (ids, targets))
+    with pytest.raises(UsageError, match="set plan.device_memory"):
+        fxstar.compile(_on_meta(tiny_gpt), fxstar.Plan(), (ids, targets), weights="init")
+    with pytest.raises(UsageError, match="plan.verify.*not supported yet"):
+        fxstar.compile(_on_meta(tiny_gpt), fxstar.Plan(device_memory="auto", verify=True),
+                       (ids, targets), weights="init")  # fmt: skip
+    with pytest.raises(UsageError, match="has them already"):
+        fxstar.compile(tiny_gpt(), fxstar.Plan(), (ids, targets), weights="init")
+    from safetensors.torch import save_file
+
+    state = {n: t for n, t in tiny_gpt().state_dict().items() if n != "h.1.mlp.c_fc.bias"}
+    state.pop("head.weight")  # tied: stored once
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightsError, match="h.1.mlp.c_fc.bias"):
+        fxstar.compile(_on_meta(tiny_gpt), fxstar.Plan(device_memory="auto"), (ids, targets),
+                       weights=tmp_path)  # fmt: skip
