@@ -1,5 +1,6 @@
 """The examples run as a user would run them."""
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -25,30 +26,31 @@ def test_gpt_example_trains(capsys):
     assert len(losses) == 5 and losses[-1] < losses[0]
 
 
-def test_custom_pass_shows_in_dump_and_diff(capsys):
-    module = _load("custom_pass")
+@contextlib.contextmanager
+def _run_pass_example(name: str, pass_name: str, capsys):
+    """Run examples/<name>.py's main(); its output; the pass it registers removed after."""
+    module = _load(name)
     try:
-        assert passes.get("linear_flops").after == ("shape_memory",)
         module.main()
-        out = capsys.readouterr().out
+        yield capsys.readouterr().out
+    finally:
+        passes.unregister(pass_name)
+
+
+def test_custom_pass_shows_in_dump_and_diff(capsys):
+    with _run_pass_example("custom_pass", "linear_flops", capsys) as out:
+        assert passes.get("linear_flops").after == ("shape_memory",)
         assert "# stage 2: linear_flops (after capture, shape_memory)" in out
         assert "+++ stage 2: linear_flops" in out
         assert "flops=131,072 @head" in out
         assert "linear FLOPs per forward: 1,703,936" in out
         assert passes.get("linear_flops").phase == "analyse"
-    finally:
-        passes.unregister("linear_flops")
 
 
 def test_rewrite_pass_is_ordered_by_phase_and_verified(capsys):
-    module = _load("rewrite_pass")
-    try:
-        module.main()
-        out = capsys.readouterr().out
+    with _run_pass_example("rewrite_pass", "tanh_gelu", capsys) as out:
         assert "passes: tanh_gelu, checkpoint_regions, activation_checkpoint" in out
         # the rewrite made shape_memory stale: the manager measured again before the regions
         assert "stages: capture, tanh_gelu, shape_memory, checkpoint_regions, " in out
         assert "+    gelu = aten.gelu(linear_2, approximate='tanh')" in out
         assert "rewritten: 2 GELUs" in out
-    finally:
-        passes.unregister("tanh_gelu")

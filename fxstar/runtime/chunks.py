@@ -55,6 +55,15 @@ PHASES = ["forward", "backward"]
 T = TypeVar("T")
 
 
+def _forwarded(part: str, name: str, doc: str | None = None) -> property:
+    """A façade attribute that is `self.<part>.<name>`, read and written there."""
+    return property(
+        lambda self: getattr(getattr(self, part), name),
+        lambda self, value: setattr(getattr(self, part), name, value),
+        doc=doc,
+    )
+
+
 def _weak_call(method: Callable[[], T]) -> Callable[[], T | None]:
     """Calls `method` while its object lives, else returns None (a sampler thread stops then)."""
     ref = weakref.WeakMethod(method)
@@ -137,42 +146,13 @@ class ChunkManager:
 
     # -- what the collaborators hold, read and set here -----------------------------------------
 
-    @property
-    def budget(self) -> int | None:
-        return self.residency.budget
-
-    @budget.setter
-    def budget(self, value: int | None) -> None:
-        self.residency.budget = value
-
-    @property
-    def static_share(self) -> int | None:
-        return self.residency.static_share
-
-    @static_share.setter
-    def static_share(self, value: int | None) -> None:
-        self.residency.static_share = value
-
-    @property
-    def checking(self) -> bool:
-        """Verify the residency invariants after every access (tests set it)."""
-        return self.residency.checking
-
-    @checking.setter
-    def checking(self, value: bool) -> None:
-        self.residency.checking = value
-
-    @property
-    def _plan(self) -> AccessPlan | None:
-        return self.residency.plan
-
-    @_plan.setter
-    def _plan(self, plan: AccessPlan | None) -> None:
-        self.residency.plan = plan
-
-    @property
-    def _recorded(self) -> list[tuple[int, str]]:
-        return self.residency.recorded
+    # the residency's state, read and set through the façade (the engine, tests, benchmarks)
+    budget = _forwarded("residency", "budget")
+    static_share = _forwarded("residency", "static_share")
+    checking = _forwarded("residency", "checking", "Verify the residency invariants after "
+                          "every access (tests set it).")  # fmt: skip
+    _plan = _forwarded("residency", "plan")
+    _recorded = _forwarded("residency", "recorded")
 
     @property
     def reserved(self) -> list[int]:
