@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxstar import meta_model
+from fxstar import placement
 from fxstar.capture import capture
 from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
@@ -35,7 +35,7 @@ from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
 from fxstar.passes.chunk_layout import check_chunk_options
 from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
-from fxstar.plan import PlanError
+from fxstar.plan import PlanError, resolve_device
 from fxstar.program import EXPORT, Program
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
@@ -51,7 +51,7 @@ REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan
 
 # the plan options the engine itself implements (the passes declare theirs): the optimizer,
 # verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
-ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed",
+ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed", "device",
                   "precision", "loss_scale", "hybrid_adam", "margin_use_ratio")  # fmt: skip
 
 
@@ -77,7 +77,7 @@ class Engine(nn.Module):
         *,
         dynamic_shapes: Any = None,
         method: str = EXPORT,
-        weights: meta_model.Weights = None,
+        weights: placement.Weights = None,
     ):
         super().__init__()
         # Not a registered submodule: parameter and state_dict names stay the model's own.
@@ -86,9 +86,9 @@ class Engine(nn.Module):
         # a model built on the meta device: its weights are written once the chunks exist
         self._weights = weights
         self._unfilled_buffers: list[str] = []
-        if meta_model.is_meta(model):
-            meta_model.check_plan(model, plan, weights)
-            self._unfilled_buffers = meta_model.give_buffers_storage(model)
+        if placement.is_meta(model):
+            placement.check_plan(model, plan, weights)
+            self._unfilled_buffers = placement.give_buffers_storage(model, resolve_device(plan))
         elif weights is not None:
             raise UsageError(
                 "weights= gives a model built on the meta device its values; this model has "
@@ -96,6 +96,7 @@ class Engine(nn.Module):
                 "engine.load)"
             )
         self._weights_line: str | None = None
+        self.device = placement.place(model, plan)  # the compute device (None: the model's)
         self.dynamic_shapes = dynamic_shapes
         self.method = method
         self.pass_manager = PassManager(passes_for(plan))
@@ -167,19 +168,23 @@ class Engine(nn.Module):
         (`use_cache=True`, the default) is asked not to: training never reads it, and a cache
         object is no tensor a graph can return. bf16/fp16: floating-point inputs in the
         compute dtype, as the model traced in it expects (integer inputs, token ids, as they
-        are)."""
+        are). Tensors go to plan.device when one is set."""
         kwargs = dict(kwargs)
         if self._builds_cache and "use_cache" not in kwargs:
             kwargs["use_cache"] = False
-        if self.traced is self.model:
+        low = self.traced is not self.model
+        if not low and self.device is None:
             return args, kwargs
-        dtype = self.compute_dtype
+        dtype, device = self.compute_dtype, self.device
 
-        def cast(x: Any) -> Any:
-            is_float = isinstance(x, torch.Tensor) and x.is_floating_point()
-            return x.to(dtype) if is_float and x.dtype != dtype else x
+        def convert(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if low and x.is_floating_point() and x.dtype != dtype:
+                x = x.to(dtype)
+            return x if device is None else x.to(device, non_blocking=True)
 
-        return pytree.tree_map(cast, (tuple(args), dict(kwargs)))
+        return pytree.tree_map(convert, (tuple(args), dict(kwargs)))
 
     def prepare(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for these inputs, captured (and passes run) if not cached yet."""
@@ -308,7 +313,7 @@ class Engine(nn.Module):
         follow."""
         if self._weights is None or self._weights_line is not None or self.chunks is None:
             return
-        self._weights_line = meta_model.fill(self.model, self._weights, self._unfilled_buffers)
+        self._weights_line = placement.fill(self.model, self._weights, self._unfilled_buffers)
         self.chunks.masters_written()
         if self.traced is not self.model:  # the low-precision copy's buffers, from the model's
             own = dict(self.model.named_buffers())
@@ -489,10 +494,11 @@ class Engine(nn.Module):
 
     def load(self, path: str | os.PathLike, *, strict: bool = True, rng: bool = True) -> Any:
         """Restore a checkpoint in place: parameters, optimizer, scheduler, step and RNG.
-        Returns the `fxstar.saving.Checkpoint` read."""
+        Returns the `fxstar.saving.Checkpoint` read; the parameters are read one tensor at a
+        time straight into the engine's own (a model larger than half the host resumes)."""
         from fxstar.saving import load
 
-        checkpoint = load(path)
+        checkpoint = load(path, read_parameters=False)
         checkpoint.apply(self, strict=strict, rng=rng)
         return checkpoint
 
@@ -783,14 +789,14 @@ def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
     *,
     dynamic_shapes: Any = None,
     method: str = EXPORT,
-    weights: meta_model.Weights = None,
+    weights: placement.Weights = None,
 ) -> Engine:
     """Compile `model` under `plan` (default `Plan()`) into an Engine.
 
     With example inputs, capture and passes run now (errors surface here); otherwise at the
     first call. A single tensor counts as a one-element tuple. A model built on the meta
     device gets its values from `weights` once the chunks hold its parameters: a safetensors
-    file or directory, 'init', or a function of one module (see fxstar/meta_model.py).
+    file or directory, 'init', or a function of one module (see fxstar/placement.py).
     """
     from fxstar.plan import Plan
 

@@ -17,10 +17,13 @@ import functools
 import json
 import math
 import os
+import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
+
+import torch
 
 from fxstar.errors import OptionNotImplementedError, PlanError
 from fxstar.sizes import Share, Size, format_size, parse_size
@@ -34,6 +37,7 @@ __all__ = [
     "TiledLinearConfig",
     "check_option_names",
     "option_names",
+    "resolve_device",
 ]
 
 
@@ -148,6 +152,36 @@ def _device_memory(v, name) -> Size | str | None:
         return _size(v, name)
     except PlanError as error:
         raise PlanError(f"{error}; or 'auto'") from None
+
+
+def _device(v, name) -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N'; whether this machine has it is checked at compile
+    (resolve_device), so a plan written for a GPU machine still loads elsewhere."""
+    text = str(v) if isinstance(v, torch.device) else v
+    if not isinstance(text, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise PlanError(f"{name}: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+    return text
+
+
+def resolve_device(plan: Plan) -> torch.device | None:
+    """The compute device `plan.device` names on this machine; None for 'auto' without an
+    accelerator (the model's own device). A device the machine does not have is refused."""
+    name = plan.device
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else None  # fmt: skip
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise PlanError(
+                f"device: {name!r} does not exist here: this machine has {count} CUDA "
+                f"device(s){' (torch is a CPU build)' if torch.version.cuda is None else ''}; "
+                "use 'auto' (an accelerator if there is one, else the host) or 'cpu'"
+            )
+        device = torch.device("cuda", index)
+    return device
 
 
 def _chunk_size(v, name):
@@ -473,6 +507,12 @@ class Plan:
     `Share` until `resolve_size`). `notes` lists what from_patrickstar read but ignored.
     """
 
+    device: str = _option(
+        "auto", check=_device, feature=_CHUNKS,
+        doc="The compute device: 'auto' (the accelerator if there is one, else the model's "
+        "device), 'cpu', 'cuda' or 'cuda:N'. The model stays where it is (host or meta): with "
+        "device_memory its parameters are paged to the device in chunks; inputs are moved.",
+    )  # fmt: skip
     device_memory: Size | str | None = _option(
         None, check=_device_memory, feature=_CHUNKS,
         doc="Budget of the compute tier, like a GPU's capacity: parameter chunks plus "

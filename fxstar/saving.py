@@ -55,7 +55,7 @@ import socket
 import tempfile
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,12 +65,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from fxstar.errors import CheckpointError
 from fxstar.passes.tensor_parallel import GROUP_KEY
 from fxstar.runtime import dist as tp
+from fxstar.weights import WeightSource, write_safetensors
 
 if TYPE_CHECKING:
     from fxstar.engine import Engine
@@ -292,12 +292,12 @@ def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tenso
             files.append((_rank_file(rank), rank_tensors, {"format": "pt"}))
 
     def write(tmp: Path) -> None:
-        for name, content, metadata in files:
-            save_file(content, tmp / name, metadata=metadata)
+        for name, content, metadata in files:  # tensor by tensor: never a copy of all
+            crcs = write_safetensors(tmp / name, content, metadata)
             meta["files"][name] = {
                 "bytes": (tmp / name).stat().st_size,
                 "crc32": _file_crc(tmp / name),
-                "tensors": {k: _tensor_crc(t) for k, t in content.items()},
+                "tensors": {k: f"{crc:08x}" for k, crc in crcs.items()},
             }
         (tmp / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
@@ -518,6 +518,9 @@ class Checkpoint:
     parameters: dict[str, torch.Tensor]
     state: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
+    # loaded without the parameters' values: `parameters` holds meta tensors (names and
+    # shapes, for `check`) and `parameters_one_by_one` reads them when applied
+    streamed: bool = False
 
     @property
     def step(self) -> int:
@@ -532,6 +535,16 @@ class Checkpoint:
             raise CheckpointError(
                 f"checkpoint {self.path} does not match the model:\n  " + "\n  ".join(problems)
             )
+
+    def parameters_one_by_one(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every stored parameter, read one at a time when the checkpoint was
+        loaded without them (`engine.load`): a model larger than half the host resumes."""
+        if not self.streamed:
+            yield from self.parameters.items()
+            return
+        with WeightSource(self.path / PARAMETERS) as source:
+            for name in source.names():
+                yield name, source.read(name)
 
     def load_into(self, model: nn.Module) -> None:
         """Copy the parameters into an eager model (in place, like `load_state_dict`)."""
@@ -549,7 +562,7 @@ class Checkpoint:
         self.check(engine.state_dict())
         if ranks != 1 and dist.get_rank() != 0:  # rank 0's is self.state
             state = _rank_state(self.path, self.meta, dist.get_rank())
-        copy_parameters(engine, self.parameters)  # cut into this rank's shards by the store
+        copy_parameters(engine, self.parameters_one_by_one())  # a rank's shards cut by the store
         engine.zero_grad(set_to_none=True)
         restore_training_state(engine, state, strict=strict, rng=rng)
 
@@ -595,23 +608,32 @@ def mismatches(
     return problems
 
 
-def copy_parameters(engine: Engine, params: Mapping[str, torch.Tensor]) -> None:
+def copy_parameters(
+    engine: Engine, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+) -> None:
     """Copy into the tensors the engine trains, never replacing them (the optimizer, the chunk
     manager and the model hold them; a copy bumps their version, so a chunk whose compute
     copy is stale is fetched again). A parameter a pass cut into parts (tiles) is cut the
-    same way; a buffer is copied into the engine's own."""
+    same way; a buffer is copied into the engine's own. Given pairs one at a time, each
+    value is let go before the next is read."""
     store = engine.store
     fed = store.tensors()
     done: set[str] = set()
+
+    def copy(name: str, value: torch.Tensor) -> None:
+        if name in fed and not isinstance(fed[name], nn.Parameter):
+            fed[name].copy_(value)  # a buffer (bf16/fp16: the traced copy's)
+            return
+        canonical = store.aliases(name)[0]
+        if canonical not in done:
+            done.add(canonical)
+            store.assign(canonical, value)
+
+    pairs = iter(params.items() if isinstance(params, Mapping) else params)
     with torch.no_grad():
-        for name, value in params.items():
-            if name in fed and not isinstance(fed[name], nn.Parameter):
-                fed[name].copy_(value)  # a buffer (bf16/fp16: the traced copy's)
-                continue
-            canonical = store.aliases(name)[0]
-            if canonical not in done:
-                done.add(canonical)
-                store.assign(canonical, value)
+        while (pair := next(pairs, None)) is not None:
+            copy(*pair)
+            del pair
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -635,16 +657,24 @@ def load_parameters(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return _parameters(directory, _meta(directory))
 
 
-def load(path: str | os.PathLike, model: nn.Module | None = None) -> Checkpoint:
+def load(
+    path: str | os.PathLike, model: nn.Module | None = None, *, read_parameters: bool = True
+) -> Checkpoint:
     """Read a checkpoint; with `model`, also check it against the model and load its
     parameters into it (before `fxstar.compile`: a model keeps its weights through compile).
-    `Checkpoint.apply(engine)` or `engine.load(dir)` restores an engine."""
+    `Checkpoint.apply(engine)` or `engine.load(dir)` restores an engine. With
+    `read_parameters=False` the parameters' file is checked (size, checksum) but its tensors
+    are read only when applied, one at a time."""
     directory = resolve(path)
     meta = _meta(directory)
     with _reading(directory / STATE):
         skeleton = meta.pop("state")
     state = _state(directory, meta, meta.get("tensors", TENSORS), skeleton)
-    checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta)
+    if read_parameters:
+        checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta)
+    else:
+        checkpoint = Checkpoint(directory, _parameter_shapes(directory, meta), state, meta,
+                                streamed=True)  # fmt: skip
     if model is not None:
         checkpoint.load_into(model)
     return checkpoint
@@ -756,6 +786,23 @@ def _verify(file: Path, size: int, crc: str, crcs: Mapping[str, str]) -> None:
         f"{file} does not match the checksum {STATE} recorded when it was saved{which}: the "
         f"file is damaged; {FIX}"
     )
+
+
+def _parameter_shapes(directory: Path, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The parameters as meta tensors under every model name (what `check` compares), the
+    file's size and checksum verified: nothing of the model's size is read into memory."""
+    with _reading(directory / STATE):
+        file = _member(directory, PARAMETERS)
+        record = meta["files"][PARAMETERS] if meta["version"] >= 2 else None
+    with _reading(file):
+        if record is not None:
+            _verify(file, int(record["bytes"]), str(record["crc32"]), dict(record["tensors"]))
+        with WeightSource(file) as source:
+            shapes = {n: torch.empty(source.shape(n), dtype=source.dtype(n), device="meta")
+                      for n in source.names()}  # fmt: skip
+            for alias, name in source.aliases().items():
+                shapes[alias] = shapes[name]
+    return shapes
 
 
 def _parameters(directory: Path, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:

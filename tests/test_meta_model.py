@@ -119,3 +119,24 @@ def test_what_a_meta_model_needs_is_said_by_name(tmp_path):
     with pytest.raises(WeightsError, match="h.1.mlp.c_fc.bias"):
         fxstar.compile(_on_meta(tiny_gpt), fxstar.Plan(device_memory="auto"), (ids, targets),
                        weights=tmp_path)  # fmt: skip
+
+
+def test_the_compute_device_is_a_plan_option():
+    from fxstar.plan import PlanError, resolve_device
+
+    ids, targets = tokens()
+    with pytest.raises(PlanError, match="device: must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        fxstar.Plan(device="gpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(PlanError, match=f"'cuda:{count}' does not exist here"):
+        fxstar.compile(tiny_gpt(), fxstar.Plan(device=f"cuda:{count}"), (ids, targets))
+    assert fxstar.Plan.from_dict(fxstar.Plan(device="cuda:1").to_dict()).device == "cuda:1"
+    if count == 0:
+        assert resolve_device(fxstar.Plan()) is None  # 'auto' on a CPU-only machine: the host
+    # an explicit device: inputs go there, a meta model's buffers get storage there, and
+    # training follows the host model bit for bit
+    plan = fxstar.Plan(device="cpu", device_memory="auto", optimizer={"lr": 1e-2})
+    reference = _train("gpt", fxstar.compile(tiny_gpt(), plan, (ids, targets)), ids, targets)
+    engine = fxstar.compile(tiny_gpt(), plan, (ids, targets))
+    assert engine.device == torch.device("cpu")
+    _same(_train("gpt", engine, ids, targets), reference)

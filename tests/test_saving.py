@@ -179,14 +179,14 @@ def test_a_save_failing_halfway_leaves_the_previous_checkpoint(tmp_path, monkeyp
     saved = {k: v.clone() for k, v in engine.state_dict().items()}
     train(engine, scheduler, range(2, 4))
 
-    real_save_file = ckpt.save_file
+    real_write = ckpt.write_safetensors
 
-    def second_file_fails(tensors, path, metadata=None):
+    def second_file_fails(path, tensors, metadata=None):
         if str(path).endswith(ckpt.TENSORS):
             raise OSError("disk full")
-        real_save_file(tensors, path, metadata=metadata)
+        return real_write(path, tensors, metadata)
 
-    monkeypatch.setattr(ckpt, "save_file", second_file_fails)
+    monkeypatch.setattr(ckpt, "write_safetensors", second_file_fails)
     with pytest.raises(OSError, match="disk full"):
         engine.save(target)
     monkeypatch.undo()
@@ -480,3 +480,53 @@ def test_a_tensor_parallel_run_resumes_bitwise_on_every_rank(tmp_path):
     engine = compile(tiny_gpt(), Plan(optimizer=OPTIMIZER), tokens())
     with pytest.raises(fxstar.CheckpointError, match="2 tensor-parallel ranks.*runs on 1"):
         engine.load(path)
+
+
+def test_engine_load_reads_the_parameters_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """A resume never holds the checkpoint's parameters whole: each tensor read is gone
+    (copied into the engine's own) before the next is read, and the eager reader of
+    fxstar.load is not used."""
+    import weakref
+
+    from fxstar.weights import WeightSource
+
+    engine, scheduler = build(plan_for("chunk"))
+    train(engine, scheduler, range(2))
+    engine.save(tmp_path / "ckpt")
+    saved = {k: v.clone() for k, v in engine.state_dict().items()}
+    train(engine, scheduler, range(2, 4))
+    live: list[weakref.ref] = []
+    real_read = WeightSource.read
+
+    def read(self, name):
+        assert all(ref() is None for ref in live), "two parameters in memory at once"
+        tensor = real_read(self, name)
+        live.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(WeightSource, "read", read)
+    monkeypatch.setattr(ckpt, "_parameters", None)  # the eager path would fail here
+    engine.load(tmp_path / "ckpt")
+    with WeightSource(tmp_path / "ckpt" / ckpt.PARAMETERS) as source:
+        assert len(live) == len(source.names())  # every stored tensor, each read once
+    assert _equal(engine.state_dict(), saved)
+
+
+def test_write_safetensors_round_trips_every_dtype_and_its_checksums(tmp_path):
+    import zlib
+
+    from fxstar.weights import write_safetensors
+
+    tensors = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16), "i64": torch.arange(7),
+        "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4), "view": torch.randn(6, 6)[:, 1],
+    }  # fmt: skip
+    crcs = write_safetensors(tmp_path / "t.safetensors", tensors, {"format": "pt", "k": "v"})
+    with safe_open(tmp_path / "t.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "k": "v"}
+        for name, t in tensors.items():
+            read = f.get_tensor(name)
+            assert read.dtype == t.dtype and torch.equal(read, t), name
+            data = read.reshape(-1).view(torch.uint8).numpy().tobytes() if read.numel() else b""
+            assert crcs[name] == zlib.crc32(data), name

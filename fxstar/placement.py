@@ -1,5 +1,7 @@
-"""Models built on the meta device: the engine compiles them without their weights and writes
-the weights straight into the chunk homes afterwards, so the host never holds the model twice.
+"""Where a model computes and where its weights come from: the compute device a plan names
+(`place`: the model is never moved whole), and models built on the meta device, which the
+engine compiles without their weights and fills straight in the chunk homes afterwards, so
+the host never holds the model twice.
 
 The parameters stay on the meta device until the chunks exist: capture traces them as fake
 tensors, shape_memory measures on fake tensors, chunk_layout and chunk_schedule need shapes
@@ -21,9 +23,10 @@ from torch import nn
 
 from fxstar.capture import is_meta
 from fxstar.errors import UsageError
+from fxstar.plan import resolve_device
 from fxstar.weights import WeightSource, initialize, materialize, tied_names
 
-__all__ = ["Weights", "check_plan", "fill", "give_buffers_storage", "is_meta"]
+__all__ = ["Weights", "check_plan", "fill", "give_buffers_storage", "is_meta", "place"]
 
 Weights = str | os.PathLike | Callable[[nn.Module], Any] | None
 
@@ -58,9 +61,34 @@ def check_plan(model: nn.Module, plan: Any, weights: Weights) -> None:
         )
 
 
-def give_buffers_storage(model: nn.Module, device: torch.device | str = "cpu") -> list[str]:
-    """Zeroed storage for every buffer on the meta device (their values come with the
-    weights); returns their names."""
+def place(model: nn.Module, plan: Any) -> torch.device | None:
+    """The compute device of `plan` (None: 'auto' without an accelerator, the model's own).
+    The model is never moved whole: with the chunk engine its parameters stay where they are
+    (host or meta) and are paged to the device, and its buffers (small) move there; without
+    it the model must be on the device already."""
+    device = resolve_device(plan)
+    if device is None:
+        return None
+    if plan.device_memory is None:
+        elsewhere = sorted({str(p.device) for p in model.parameters() if p.device != device})
+        if elsewhere:
+            raise UsageError(
+                f"plan.device is {plan.device!r} but the model's parameters are on "
+                f"{', '.join(elsewhere)}: set plan.device_memory so the chunk engine pages them "
+                f"to {device}, or move the model there first"
+            )
+        return device
+    for module in model.modules():
+        for attr, buffer in list(module._buffers.items()):
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[attr] = buffer.to(device)
+    return device
+
+
+def give_buffers_storage(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
+    """Zeroed storage (on `device`, default the host) for every buffer on the meta device;
+    their values come with the weights. Returns their names."""
+    device = "cpu" if device is None else device
     named = []
     for prefix, module in model.named_modules():
         for attr, buffer in list(module._buffers.items()):
