@@ -300,6 +300,10 @@ class Engine(nn.Module):
             for info in program.params:
                 if info.host_resident and info.name in own:
                     self.store.rebind(info.name, own[info.name])
+        if self.chunks.low_precision and not self.plan.verify:
+            # the chunks hold the low-precision payloads now: the traced copy keeps shapes
+            # only (a later capture traces it as a meta model; verify runs it, so keeps it)
+            _drop_parameter_storage(self.traced)
         for name, stable in self.chunks.stable.items():
             self.store.rebind(name, stable)
             for alias in slots[name].aliases:
@@ -738,6 +742,20 @@ class _Owner:
 def _owner(model: nn.Module) -> Engine | None:
     owner = model.__dict__.get(OWNER)
     return owner() if owner is not None else None
+
+
+def _drop_parameter_storage(model: nn.Module) -> None:
+    """Every parameter of `model` becomes a meta tensor of its shape and dtype (tied ones stay
+    one): what capture needs of it, with none of its bytes."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None or p.is_meta:
+                continue
+            if id(p) not in made:
+                meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                made[id(p)] = nn.Parameter(meta, requires_grad=p.requires_grad)
+            module._parameters[attr] = made[id(p)]
 
 
 def _low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
