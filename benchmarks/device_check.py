@@ -9,7 +9,10 @@ reports real device memory:
   to it, and the share of copy time hidden;
 - hybrid: a budget with room for some chunks' optimizer state, kept on the device and updated
   by torch's fused AdamW, against torch AdamW on the eager model;
-- offload: checkpointed blocks whose inputs wait in pinned host memory, against eager.
+- offload: checkpointed blocks whose inputs wait in pinned host memory, against eager;
+- meta: the GPT built on the meta device, compiled for the device (`plan.device`) with the
+  tight budget, its weights read from a safetensors file of the eager model's into pinned
+  host homes: the model never exists on the device, nor twice on the host.
 On a CPU-only machine the same checks run on the CPU (the device-only facts are skipped), so
 the script itself is tested everywhere.
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -30,6 +35,7 @@ from gpt_setup import add_gpt_args
 import fxstar
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.chunk_layout import nonmodel_peak
+from fxstar.weights import write_safetensors
 
 OPTIMIZER = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 
@@ -62,18 +68,39 @@ def budget(args, device: torch.device, share: float) -> int:
     return nonmodel_peak(program) + int(share * program.param_bytes)
 
 
-def run(name: str, args, device: torch.device, plan: fxstar.Plan, tolerance: float) -> Check:
+def run(
+    name: str,
+    args,
+    device: torch.device,
+    plan: fxstar.Plan,
+    tolerance: float,
+    meta: bool = False,
+) -> Check:
     """`args.steps` AdamW steps of the engine and of eager on the same batches. With
-    hybrid_adam the check also needs some chunks kept on the compute tier."""
+    hybrid_adam the check also needs some chunks kept on the compute tier. `meta`: the
+    engine's model is built on the meta device and read from the eager model's weights."""
     eager, idx, targets = make(args, device)
-    model = make(args, device)[0]
+    weights = None
+    if meta:
+        weights = tempfile.mkdtemp(prefix="device_check-")
+        write_safetensors(f"{weights}/model.safetensors", dict(eager.state_dict()))
+        with torch.device("meta"):
+            model = make(args, torch.device("meta"))[0]
+        plan = plan.replace(device=str(device))
+    else:
+        model = make(args, device)[0]
     reference = torch.optim.AdamW(
         [{"params": [p for n, p in eager.named_parameters() if plan.optimizer.decays(n)]},
          {"params": [p for n, p in eager.named_parameters() if not plan.optimizer.decays(n)],
           "weight_decay": 0.0}], lr=OPTIMIZER["lr"], weight_decay=OPTIMIZER["weight_decay"],
     )  # fmt: skip
     check = Check(name, budget_bytes=plan.resolve_size("device_memory", 1) or 0)
-    engine = fxstar.compile(model, plan, (idx, targets))
+    engine = fxstar.compile(model, plan, (idx, targets), weights=weights)
+    if weights is not None:
+        check.facts["model bytes / budget"] = (
+            f"{engine.program.param_bytes / check.budget_bytes:.2f}"
+        )
+        shutil.rmtree(weights)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -135,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             base.replace(checkpoint="blocks", offload_activations=True),
             1e-4,
         ),  # fmt: skip
+        run("meta", args, device, base, 1e-4, meta=True),
     ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({name}); GPT {args.layers} layers, d={args.width}, "
