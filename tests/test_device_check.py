@@ -22,6 +22,6 @@ def test_every_check_passes_on_the_cpu(tmp_path, capsys, monkeypatch):
                         "--steps", "2", "--json", str(out)])  # fmt: skip
     checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
     assert code == 0, capsys.readouterr().out
-    assert set(checks) == {"chunks", "overlap", "hybrid", "offload"}
+    assert set(checks) == {"chunks", "overlap", "hybrid", "offload", "meta"}
     assert checks["hybrid"]["facts"]["kept chunks"] != "0/1"
     assert "gradient copies hidden" in checks["overlap"]["facts"]
