@@ -77,12 +77,13 @@ class HybridAdam(torch.optim.Optimizer):
         lay = manager.layout
         trainable = [c for c in manager.chunks if c.host_grad is not None]
         n = lay.chunk_size
-        moments = host_empty(2 * len(trainable) * n * 4, zero=True).view(torch.float32)
         self._slots: dict[int, ParamSlot] = {}  # id(param) -> its place in the chunks
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        for i, chunk in enumerate(trainable):
-            exp_avg = moments[2 * i * n : (2 * i + 1) * n]
-            exp_avg_sq = moments[(2 * i + 1) * n : (2 * i + 2) * n]
+        for chunk in trainable:
+            # one buffer a chunk: a chunk kept on the compute tier later lets its host
+            # moments go (8 bytes per parameter of it)
+            moments = host_empty(2 * n * 4, zero=True).view(torch.float32)
+            exp_avg, exp_avg_sq = moments[:n], moments[n:]
             for slot in chunk.slots:
                 param = manager.stable[slot.name]
                 if id(param) not in group_of:
@@ -309,7 +310,7 @@ class HybridAdam(torch.optim.Optimizer):
                 part = slice(slot.offset, slot.offset + slot.numel)
                 for key, moment in (("exp_avg", moments[:n]), ("exp_avg_sq", moments[n:])):
                     moment[part].copy_(state[key].reshape(-1))
-                    state[key] = moment[part].view(slot.shape)
+                    state[key] = moment[part].view(slot.shape)  # the host buffer is let go
             self.device_chunks.append(chunk_id)
 
     def state_dict(self) -> dict[str, Any]:
