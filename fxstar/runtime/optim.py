@@ -74,16 +74,15 @@ class HybridAdam(torch.optim.Optimizer):
         self.device_kernel = device_kernel
         self._placed = False  # the device half is chosen after the first training step
         self.device_chunks: list[int] = []
-        lay = manager.layout
         trainable = [c for c in manager.chunks if c.host_grad is not None]
-        n = lay.chunk_size
         self._slots: dict[int, ParamSlot] = {}  # id(param) -> its place in the chunks
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for chunk in trainable:
-            # one buffer a chunk: a chunk kept on the compute tier later lets its host
-            # moments go (8 bytes per parameter of it)
-            moments = host_empty(2 * n * 4, zero=True).view(torch.float32)
-            exp_avg, exp_avg_sq = moments[:n], moments[n:]
+            # one buffer a chunk, as long as its parameters reach (a chunk's padding needs no
+            # moments); a chunk kept on the compute tier later lets its host moments go
+            used = chunk.used
+            moments = host_empty(2 * used * 4, zero=True).view(torch.float32)
+            exp_avg, exp_avg_sq = moments[:used], moments[used:]
             for slot in chunk.slots:
                 param = manager.stable[slot.name]
                 if id(param) not in group_of:
