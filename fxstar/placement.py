@@ -67,8 +67,8 @@ def place(model: nn.Module, plan: Any) -> torch.device | None:
     (host or meta) and are paged to the device, and its buffers (small) move there; without
     it the model must be on the device already."""
     device = resolve_device(plan)
-    if device is None:
-        return None
+    if device is None or (plan.device == "auto" and plan.device_memory is None):
+        return None  # nothing to page: the model computes where it is
     if plan.device_memory is None:
         elsewhere = sorted({str(p.device) for p in model.parameters() if p.device != device})
         if elsewhere:

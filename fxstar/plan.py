@@ -509,9 +509,10 @@ class Plan:
 
     device: str = _option(
         "auto", check=_device, feature=_CHUNKS,
-        doc="The compute device: 'auto' (the accelerator if there is one, else the model's "
-        "device), 'cpu', 'cuda' or 'cuda:N'. The model stays where it is (host or meta): with "
-        "device_memory its parameters are paged to the device in chunks; inputs are moved.",
+        doc="The compute device: 'auto' (with device_memory the accelerator if there is one; "
+        "otherwise the model's device), 'cpu', 'cuda' or 'cuda:N'. The model stays where it is "
+        "(host or meta): with device_memory its parameters are paged to the device in chunks; "
+        "inputs are moved.",
     )  # fmt: skip
     device_memory: Size | str | None = _option(
         None, check=_device_memory, feature=_CHUNKS,

@@ -64,6 +64,19 @@ def _forwarded(part: str, name: str, doc: str | None = None) -> property:
     )
 
 
+HOST_ALIGNMENT = 64  # bytes: every chunk's host part starts on a cache line
+
+
+def _packed(layout: ChunkLayout, lengths: list[int]) -> list[slice]:
+    """Consecutive element ranges of these lengths in one host buffer, each start aligned."""
+    align = max(HOST_ALIGNMENT // layout.dtype.itemsize, 1)
+    parts, at = [], 0
+    for length in lengths:
+        parts.append(slice(at, at + length))
+        at += -(-length // align) * align
+    return parts
+
+
 def _weak_call(method: Callable[[], T]) -> Callable[[], T | None]:
     """Calls `method` while its object lives, else returns None (a sampler thread stops then)."""
     ref = weakref.WeakMethod(method)
@@ -167,20 +180,23 @@ class ChunkManager:
         """Host homes for every chunk, filled from `params`; the stable parameters view them,
         or, when chunks hold bf16/fp16, fp32 master chunks filled from `masters`. A master on
         the meta device (a model built without storage) leaves its home zeroed: the engine
-        writes the weights in afterwards, then calls `masters_written`."""
+        writes the weights in afterwards, then calls `masters_written`.
+        On the host a chunk takes what its parameters reach (aligned), not its padding: only
+        `used` elements ever move, and a layout's padding is often a fifth of the chunks."""
         lay = self.layout
-        n = lay.chunk_size
-        count = len(lay.chunks)
-        host = host_empty(count * lay.chunk_bytes, zero=True, pin=pin).view(lay.dtype)
+        parts = _packed(lay, [spec.used for spec in lay.chunks])
+        size = parts[-1].stop if parts else 0
+        host = host_empty(size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
         master = None
         if self.low_precision:
-            master = host_empty(count * n * 4, zero=True).view(torch.float32)
+            master = host_empty(size * 4, zero=True).view(torch.float32)
         trainable = [c for c in lay.chunks if c.trainable]
-        grads = host_empty(len(trainable) * lay.chunk_bytes, zero=True, pin=pin).view(lay.dtype)
-        grad_of = {c.id: grads[i * n : (i + 1) * n] for i, c in enumerate(trainable)}
+        grad_parts = _packed(lay, [c.used for c in trainable])
+        grad_size = grad_parts[-1].stop if grad_parts else 0
+        grads = host_empty(grad_size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
+        grad_of = {c.id: grads[part] for c, part in zip(trainable, grad_parts, strict=True)}
         chunks, stable = [], {}
-        for spec in lay.chunks:
-            part = slice(spec.id * n, (spec.id + 1) * n)
+        for spec, part in zip(lay.chunks, parts, strict=True):
             chunk = Chunk(spec.id, spec.params, host[part], grad_of.get(spec.id), spec.used,
                           master[part] if master is not None else None)  # fmt: skip
             home = chunk.master if chunk.master is not None else chunk.host
@@ -413,9 +429,9 @@ class ChunkManager:
             + ("none (every chunk resident)" if self.budget is None else f"{self.budget:,}")
             + f", arena {arena['capacity']:,}, "
             f"peak chunks {arena['peak_in_use']:,}, now {self.resident_bytes():,}",
-            f"host tier: {len(lay.chunks) * lay.chunk_bytes:,} parameter and "
-            f"{sum(c.host_grad is not None for c in self.chunks) * lay.chunk_bytes:,} "
-            "gradient bytes",
+            f"host tier: {sum(c.host.nbytes for c in self.chunks):,} parameter and "
+            f"{sum(c.host_grad.nbytes for c in self.chunks if c.host_grad is not None):,} "
+            "gradient bytes (the chunks' padding left out)",
             f"moved host->compute: {moved:,} bytes in the last training step "
             f"({moved / max(lay.param_bytes, 1):.2f}x the parameter bytes; "
             f"{st.moved_bytes_total / steps:,.0f} per step on average)",

@@ -62,7 +62,7 @@ RESIDENT = {S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}
 class Chunk:
     id: int
     slots: list[ParamSlot]
-    host: torch.Tensor  # chunk_size elements on the host tier: what the compute tier copies
+    host: torch.Tensor  # `used` elements on the host tier: what the compute tier copies
     host_grad: torch.Tensor | None  # gradient buffer, or None for frozen chunks
     used: int = 0  # elements taken by parameters: only these are copied
     master: torch.Tensor | None = None  # fp32 master when the chunks hold a lower precision
