@@ -143,3 +143,32 @@ def test_the_compute_device_is_a_plan_option():
     engine = fxstar.compile(tiny_gpt(), plan, (ids, targets))
     assert engine.device == torch.device("cpu")
     _same(_train("gpt", engine, ids, targets), reference)
+
+
+def test_a_sharded_checkpoint_is_read_straight_into_the_chunk_homes(tmp_path, monkeypatch):
+    """No second copy of the model on the host: every tensor of the shards is read into the
+    chunk home of its parameter (the destination shares the homes' memory), never into a
+    tensor of its own; only what the homes do not hold (buffers) goes elsewhere."""
+    from fxstar.weights import WeightSource
+
+    host = hf_llama()
+    host.save_pretrained(tmp_path, max_shard_size="20KB")
+    ids, targets = tokens()
+    destinations = []
+    real = WeightSource.read_into
+
+    def read_into(self, name, out):
+        destinations.append((name, out))
+        return real(self, name, out)
+
+    monkeypatch.setattr(WeightSource, "read_into", read_into)
+    engine = fxstar.compile(_on_meta(hf_llama), fxstar.Plan(device_memory="auto"),
+                            **example("llama", ids, targets), weights=tmp_path)  # fmt: skip
+    homes = [c.host for c in engine.chunks.chunks]
+    spans = [(h.data_ptr(), h.data_ptr() + h.nbytes) for h in homes]
+    params = {n for n, _ in host.named_parameters()}
+    read = {name for name, _ in destinations}
+    assert params <= read | {"lm_head.weight"}  # tied: stored under the embedding's name
+    for name, out in destinations:
+        if name in params:
+            assert any(a <= out.data_ptr() < b for a, b in spans), f"{name} read elsewhere"
