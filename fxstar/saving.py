@@ -547,9 +547,21 @@ class Checkpoint:
                 yield name, source.read(name)
 
     def load_into(self, model: nn.Module) -> None:
-        """Copy the parameters into an eager model (in place, like `load_state_dict`)."""
-        self.check(model.state_dict())
-        model.load_state_dict(self.parameters)
+        """Copy the parameters into an eager model (in place, like `load_state_dict`). Read
+        without them, they are read one tensor at a time into the model's own, which then
+        are this checkpoint's `parameters`."""
+        own = model.state_dict(keep_vars=True)
+        self.check(own)
+        if not self.streamed:
+            model.load_state_dict(self.parameters)
+            return
+        with torch.no_grad():
+            pairs = self.parameters_one_by_one()
+            while (pair := next(pairs, None)) is not None:
+                own[pair[0]].copy_(pair[1])
+                del pair
+        self.parameters = {name: t.detach() for name, t in own.items()}
+        self.streamed = False
 
     def apply(self, engine: Engine, *, strict: bool = True, rng: bool = True) -> None:
         """Restore parameters (copied into the engine's own tensors: the optimizer and the
@@ -661,7 +673,8 @@ def load(
     path: str | os.PathLike, model: nn.Module | None = None, *, read_parameters: bool = True
 ) -> Checkpoint:
     """Read a checkpoint; with `model`, also check it against the model and load its
-    parameters into it (before `fxstar.compile`: a model keeps its weights through compile).
+    parameters into it one tensor at a time (before `fxstar.compile`: a model keeps its
+    weights through compile); `parameters` are then the model's own tensors.
     `Checkpoint.apply(engine)` or `engine.load(dir)` restores an engine. With
     `read_parameters=False` the parameters' file is checked (size, checksum) but its tensors
     are read only when applied, one at a time."""
@@ -670,7 +683,7 @@ def load(
     with _reading(directory / STATE):
         skeleton = meta.pop("state")
     state = _state(directory, meta, meta.get("tensors", TENSORS), skeleton)
-    if read_parameters:
+    if read_parameters and model is None:
         checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta)
     else:
         checkpoint = Checkpoint(directory, _parameter_shapes(directory, meta), state, meta,

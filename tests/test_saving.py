@@ -140,6 +140,9 @@ def test_parameters_load_into_the_eager_model(tmp_path):
     checkpoint = fxstar.load(tmp_path / "ckpt", fresh)
     assert checkpoint.step == 2 and checkpoint.state["scheduler"]["last_epoch"] == 2
     assert torch.equal(fresh.wte.weight, engine.state_dict()["wte.weight"])
+    for name, value in engine.state_dict().items():  # read one tensor at a time into `fresh`
+        assert torch.equal(fresh.state_dict()[name], value), name
+    assert checkpoint.parameters["h.0.ln_1.weight"].data_ptr() == fresh.h[0].ln_1.weight.data_ptr()
 
 
 def test_a_mismatched_checkpoint_is_refused_with_every_difference(tmp_path):
