@@ -8,7 +8,8 @@ tensors, shape_memory measures on fake tensors, chunk_layout and chunk_schedule 
 only. Then each parameter is a view of its chunk home, and `fill` gives the homes their values
 from `weights`: a safetensors file or directory (transformers' sharded layout included) read
 tensor by tensor, "init" (each module's `reset_parameters`, or transformers' own init for a
-transformers model), or a function of one module. Buffers are small: they get real storage
+transformers model), or a function of one module (after every module's own
+`reset_parameters`, as a constructor runs them). Buffers are small: they get real storage
 before capture and their values from the same source.
 """
 
@@ -102,6 +103,14 @@ def give_buffers_storage(model: nn.Module, device: torch.device | str | None = N
 def fill(model: nn.Module, weights: Weights, buffers: list[str]) -> str:
     """Give the model's parameters (views of their chunk homes by now) and the `buffers` that
     had no values their values from `weights`; returns a line for the report."""
+    if callable(weights):
+        # as a constructor does: every module's own reset first, then the model's init (one
+        # that touches some modules only must not leave the others' homes zero)
+        with torch.no_grad():
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
     if callable(weights) or weights == "init":
         report = initialize(model, {}, init=None if weights == "init" else weights)
         return (f"weights: initialised in their chunk homes by {report.init} "

@@ -172,3 +172,19 @@ def test_a_sharded_checkpoint_is_read_straight_into_the_chunk_homes(tmp_path, mo
     for name, out in destinations:
         if name in params:
             assert any(a <= out.data_ptr() < b for a, b in spans), f"{name} read elsewhere"
+
+
+def test_an_init_function_runs_after_every_modules_own_reset():
+    """weights=<function of one module>, like nanoGPT's _init_weights, which touches linears
+    and embeddings only: the layer norms still get their reset (ones), as in construction."""
+    meta = _on_meta(tiny_gpt)
+    ids, targets = tokens()
+    engine = fxstar.compile(meta, fxstar.Plan(device_memory="auto"), (ids, targets),
+                            weights=meta._init_weights)  # fmt: skip
+    assert torch.equal(meta.ln_f.weight, torch.ones_like(meta.ln_f.weight))
+    assert float(meta.h[0].mlp.c_fc.weight.std()) == pytest.approx(0.02, rel=0.2)  # its init
+    assert "initialised in their chunk homes by GPT._init_weights" in engine.report()
+    loss = engine(ids, targets)
+    loss.backward()
+    engine.step()
+    assert torch.isfinite(loss)
