@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.child:
-        run = compile_only if args.child in COMPILE_SIZES else one_run
-        print(json.dumps(run(args.child, args) if run is compile_only else
-                         run(args.child, args, args.weights)))  # fmt: skip
+        if args.child in COMPILE_SIZES:
+            row = compile_only(args.child, args)
+        else:
+            row = one_run(args.child, args, args.weights)
+        print(json.dumps(row))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         from safetensors.torch import save_model

@@ -16,7 +16,7 @@ before capture and their values from the same source.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from fxstar.capture import is_meta
 from fxstar.errors import UsageError
 from fxstar.plan import resolve_device
-from fxstar.weights import WeightSource, initialize, materialize, tied_names
+from fxstar.weights import WeightSource, initialize, is_transformers, materialize, tied_names
 
 __all__ = ["Weights", "check_plan", "fill", "give_buffers_storage", "is_meta", "place"]
 
@@ -41,19 +41,15 @@ def check_plan(model: nn.Module, plan: Any, weights: Weights) -> None:
             "them from, 'init' to initialise them in their chunk homes, or a function of one "
             "module"
         )
-    needs = {
-        "device_memory": plan.device_memory is None,
-        "verify": plan.verify,
-        "tensor_parallel": plan.tensor_parallel is not None,
-        "tiled_linear": plan.tiled_linear is not None,
-    }
-    if needs["device_memory"]:
+    if plan.device_memory is None:
         raise UsageError(
             "a model on the meta device trains through the chunk engine, which gives every "
             "parameter its home: set plan.device_memory (a budget, or 'auto'); to train it "
             "without chunks, build it on the host (or model.to_empty(device='cpu') and load it)"
         )
-    refused = [name for name in ("verify", "tensor_parallel", "tiled_linear") if needs[name]]
+    used = {"verify": plan.verify, "tensor_parallel": plan.tensor_parallel is not None,
+            "tiled_linear": plan.tiled_linear is not None}  # fmt: skip
+    refused = [name for name, on in used.items() if on]
     if refused:
         raise UsageError(
             f"plan.{', plan.'.join(refused)}: not supported yet for a model built on the meta "
@@ -115,26 +111,15 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str]) -> str:
         report = initialize(model, {}, init=None if weights == "init" else weights)
         return (f"weights: initialised in their chunk homes by {report.init} "
                 f"({len(report.modules)} modules, {report.seconds:.2f}s)")  # fmt: skip
-    state = dict(model.named_parameters(remove_duplicate=False))
     persistent = set(model.state_dict(keep_vars=True))
     buffers_read = {n: b for n, b in model.named_buffers() if n in persistent}
-    with WeightSource(weights) as source:
-        report = materialize({**_first_names(state, model), **buffers_read}, source,
+    with WeightSource(weights) as source:  # named_parameters: one name per tied parameter
+        report = materialize({**dict(model.named_parameters()), **buffers_read}, source,
                              aliases=tied_names(model))  # fmt: skip
     unfilled = [name for name in buffers if name not in persistent]
     if unfilled:
         _compute_buffers(model, unfilled)
     return f"weights: read from {os.fspath(weights)} ({report})"
-
-
-def _first_names(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """One name per parameter (a tied one's others are its aliases)."""
-    seen, out = set(), {}
-    for name, p in state.items():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out[name] = p
-    return out
 
 
 def _compute_buffers(model: nn.Module, names: list[str]) -> None:
@@ -143,8 +128,7 @@ def _compute_buffers(model: nn.Module, names: list[str]) -> None:
     in its init of the module owning them; any other model cannot, and is refused by name."""
     owners = {name.rpartition(".")[0] for name in names}
     init = getattr(model, "_init_weights", None)
-    is_transformers = any(c.__module__.startswith("transformers") for c in type(model).__mro__)
-    if not (is_transformers and callable(init)):
+    if not (is_transformers(model) and callable(init)):
         raise UsageError(
             f"buffers {', '.join(names)} are not in the checkpoint (not persistent) and were "
             "built on the meta device, so they have no values: build the model with them on "

@@ -212,10 +212,13 @@ class Program:
     def compute_device(self) -> torch.device:
         """Where the graph computes: its example inputs' device, else its parameters' (a model
         built on the meta device computes where its inputs are)."""
-        leaves = pytree.tree_leaves((self.example_args, self.example_kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        tensors += [t for t in self.model_tensors().values() if not t.is_meta]
-        return tensors[0].device if tensors else torch.device("cpu")
+        for x in pytree.tree_leaves((self.example_args, self.example_kwargs)):
+            if isinstance(x, torch.Tensor):
+                return x.device
+        for t in self.model_tensors().values():
+            if not t.is_meta:
+                return t.device
+        return torch.device("cpu")
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors fed by name: the store's, else the model's parameters and buffers

@@ -555,11 +555,7 @@ class Checkpoint:
         if not self.streamed:
             model.load_state_dict(self.parameters)
             return
-        with torch.no_grad():
-            pairs = self.parameters_one_by_one()
-            while (pair := next(pairs, None)) is not None:
-                own[pair[0]].copy_(pair[1])
-                del pair
+        _one_by_one(self.parameters_one_by_one(), lambda name, value: own[name].copy_(value))
         self.parameters = {name: t.detach() for name, t in own.items()}
         self.streamed = False
 
@@ -641,7 +637,15 @@ def copy_parameters(
             done.add(canonical)
             store.assign(canonical, value)
 
-    pairs = iter(params.items() if isinstance(params, Mapping) else params)
+    _one_by_one(params.items() if isinstance(params, Mapping) else params, copy)
+
+
+def _one_by_one(
+    pairs: Iterable[tuple[str, torch.Tensor]], copy: Callable[[str, torch.Tensor], Any]
+) -> None:
+    """`copy(name, value)` for each pair, without grad; each value let go before the next is
+    read, so a stream of a checkpoint's tensors never holds two."""
+    pairs = iter(pairs)
     with torch.no_grad():
         while (pair := next(pairs, None)) is not None:
             copy(*pair)
@@ -762,19 +766,25 @@ def _member(directory: Path, name: Any) -> Path:
 def _read_tensors(
     directory: Path, meta: Mapping[str, Any], name: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and header metadata of a safetensors file of the checkpoint, its size and
-    checksum checked first against those training.json recorded (format 2)."""
+    """The tensors and header metadata of a safetensors file of the checkpoint, checked."""
+    file = _checked_member(directory, meta, name)
+    with _reading(file), safe_open(file, "pt") as f:
+        keys = f.keys()  # safe_open is not iterable
+        return {k: f.get_tensor(k) for k in keys}, f.metadata() or {}
+
+
+def _checked_member(directory: Path, meta: Mapping[str, Any], name: Any) -> Path:
+    """The checkpoint's file `name`, its size and checksum first checked against those
+    training.json recorded (format 2; format 1 has no checksums)."""
     with _reading(directory / STATE):
         file = _member(directory, name)
-        record = meta["files"][name] if meta["version"] >= 2 else None  # format 1: no checksums
+        record = meta["files"][name] if meta["version"] >= 2 else None
         if record is not None:
             size, crc, crcs = int(record["bytes"]), str(record["crc32"]), dict(record["tensors"])
-    with _reading(file):
-        if record is not None:
+    if record is not None:
+        with _reading(file):
             _verify(file, size, crc, crcs)
-        with safe_open(file, "pt") as f:
-            keys = f.keys()  # safe_open is not iterable
-            return {k: f.get_tensor(k) for k in keys}, f.metadata() or {}
+    return file
 
 
 def _verify(file: Path, size: int, crc: str, crcs: Mapping[str, str]) -> None:
@@ -804,17 +814,12 @@ def _verify(file: Path, size: int, crc: str, crcs: Mapping[str, str]) -> None:
 def _parameter_shapes(directory: Path, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The parameters as meta tensors under every model name (what `check` compares), the
     file's size and checksum verified: nothing of the model's size is read into memory."""
-    with _reading(directory / STATE):
-        file = _member(directory, PARAMETERS)
-        record = meta["files"][PARAMETERS] if meta["version"] >= 2 else None
-    with _reading(file):
-        if record is not None:
-            _verify(file, int(record["bytes"]), str(record["crc32"]), dict(record["tensors"]))
-        with WeightSource(file) as source:
-            shapes = {n: torch.empty(source.shape(n), dtype=source.dtype(n), device="meta")
-                      for n in source.names()}  # fmt: skip
-            for alias, name in source.aliases().items():
-                shapes[alias] = shapes[name]
+    file = _checked_member(directory, meta, PARAMETERS)
+    with _reading(file), WeightSource(file) as source:
+        shapes = {n: torch.empty(source.shape(n), dtype=source.dtype(n), device="meta")
+                  for n in source.names()}  # fmt: skip
+        for alias, name in source.aliases().items():
+            shapes[alias] = shapes[name]
     return shapes
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "WeightsError",
     "bind",
     "initialize",
+    "is_transformers",
     "materialize",
     "tied_names",
 ]
@@ -669,7 +670,7 @@ class InitReport:
     seconds: float
 
 
-def _is_transformers(module: nn.Module) -> bool:
+def is_transformers(module: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
                for c in type(module).__mro__)  # fmt: skip
 
@@ -699,13 +700,13 @@ def initialize(
     `self.apply(self._init_weights)`, every transformers model) has drawn twice on the CPU.
     """
     if init is None:
-        init = "transformers" if _is_transformers(module) else "reset_parameters"
+        init = "transformers" if is_transformers(module) else "reset_parameters"
     if isinstance(init, str) and init not in ("reset_parameters", "transformers"):
         raise WeightsError(
             f"initialize: init={init!r} is not 'reset_parameters', 'transformers', a callable "
             "or None"
         )
-    if init == "transformers" and not _is_transformers(module):
+    if init == "transformers" and not is_transformers(module):
         raise WeightsError(
             f"initialize: init='transformers' needs a transformers PreTrainedModel, got "
             f"{type(module).__name__}"

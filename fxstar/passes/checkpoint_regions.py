@@ -15,8 +15,8 @@ A higher-order op (export's form of a `torch.no_grad()` or `torch.autocast` bloc
 forward: a `wrap_with_set_grad_enabled` call on a submodule, read through `getitem`s) is
 never a region of its own (a frozen teacher is no block), and a region never splits one: it
 takes the op whole, with the region its results land in, or not at all.
-The decision is data (`program.decisions.checkpoint_regions`, a CheckpointDecision) and shows in the
-dump as notes on each region's first node; a pass running after this one may edit it.
+The decision is data (`program.decisions.checkpoint_regions`, a CheckpointDecision) and shows
+in the dump as notes on each region's first node; a pass running after this one may edit it.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 META_KEY = "fxstar.shape_memory"
-"""node.meta key of the node's NodeMemory; Program.meta key of the MemoryReport."""
+"""node.meta key of the node's NodeMemory (the MemoryReport is program.decisions.shape_memory)."""
 
 
 @dataclass
@@ -458,7 +458,7 @@ def measure(program: Program) -> dict[fx.Node, NodeMemory]:
 
 @register
 class ShapeMemory(Pass):
-    """Analysis: writes NodeMemory to node.meta and a MemoryReport to program.meta."""
+    """Analysis: writes NodeMemory to node.meta and a MemoryReport to program.decisions."""
 
     name = "shape_memory"
     phase = "analyse"
