@@ -5,6 +5,7 @@ the same model built on the host."""
 import pytest
 import torch
 from conftest import call, example, hf_llama, tiny_gpt, tokens
+from families import FAMILIES
 from torch import nn
 
 import fxstar
@@ -19,20 +20,21 @@ def _on_meta(factory):
         return factory()
 
 
-def _train(kind, engine, ids, targets, steps=2):
-    """Losses, the first step's gradients, and the parameters after `steps` steps."""
+def _train(kind, engine, ids, targets, steps=2, batch=None):
+    """Losses, the first step's gradients, and the parameters and buffers after `steps` steps
+    (dropout draws the same masks on both sides: each step is seeded)."""
     losses, grads = [], None
     for step in range(steps):
         torch.manual_seed(10 + step)
-        loss = call(kind, engine, ids, targets)
+        loss = call(kind, engine, ids, targets) if batch is None else engine(**batch).loss
         loss.backward()
         if grads is None:
-            grads = {n: g.clone() for n, g in engine.gradients().items()}
+            grads = {n: None if g is None else g.clone() for n, g in engine.gradients().items()}
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    return losses, grads, params
+    state = {n: t.detach().clone() for n, t in engine.model.state_dict().items()}
+    return losses, grads, state
 
 
 def _same(a, b):
@@ -41,6 +43,9 @@ def _same(a, b):
     assert a[1].keys() == b[1].keys() and a[2].keys() == b[2].keys()
     for got, want in ((a[1], b[1]), (a[2], b[2])):
         for name in got:
+            if got[name] is None or want[name] is None:  # frozen: no gradient on either side
+                assert got[name] is want[name], name
+                continue
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, equal_nan=True,
                                        msg=name)  # fmt: skip
 
@@ -63,20 +68,25 @@ def test_gpt_from_safetensors_trains_bitwise_like_the_host_model(tmp_path, preci
     assert meta.head.weight is meta.wte.weight  # still tied, now to its chunk home
 
 
-def test_transformers_sharded_checkpoint_into_a_meta_model(tmp_path):
-    host = hf_llama()
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_transformers_sharded_checkpoint_into_a_meta_model(tmp_path, family):
+    """transformers' default configs (use_cache, GPT-2's dropout, biases and tied head),
+    5 steps with the chunks evicting, bitwise like the host-built model."""
+    make, batch_of = FAMILIES[family]
+    host = make()
     host.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards and an index
     assert (tmp_path / "model.safetensors.index.json").exists()
-    ids, targets = tokens()
-    inputs = example("llama", ids, targets)
+    batch = batch_of(1)
     plan = fxstar.Plan(device_memory="auto", optimizer={"lr": 1e-2})
-    reference = _train("llama", fxstar.compile(host, plan, **inputs), ids, targets)
-    meta = _on_meta(hf_llama)
-    assert meta.model.rotary_emb.inv_freq.is_meta  # not in the checkpoint: computed again
-    engine = fxstar.compile(meta, plan, **inputs, weights=tmp_path)
-    torch.testing.assert_close(meta.model.rotary_emb.inv_freq, host.model.rotary_emb.inv_freq,
-                               rtol=0, atol=0)  # fmt: skip
-    _same(_train("llama", engine, ids, targets), reference)
+    reference = _train(family, fxstar.compile(host, plan, example_kwargs=batch), None, None,
+                       steps=5, batch=batch)  # fmt: skip
+    meta = _on_meta(make)
+    engine = fxstar.compile(meta, plan, example_kwargs=batch, weights=tmp_path)
+    if family == "llama":  # not in the checkpoint: computed again by transformers' init
+        torch.testing.assert_close(meta.model.rotary_emb.inv_freq,
+                                   host.model.rotary_emb.inv_freq, rtol=0, atol=0)  # fmt: skip
+    _same(_train(family, engine, None, None, steps=5, batch=batch), reference)
+    assert engine.chunks.stats.evictions > 0
 
 
 def _mlp_with_batchnorm():
@@ -188,3 +198,36 @@ def test_an_init_function_runs_after_every_modules_own_reset():
     loss.backward()
     engine.step()
     assert torch.isfinite(loss)
+
+
+class _FrozenStem(nn.Module):
+    """A frozen part run under no_grad, then BatchNorm (buffers that train) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(16, 32).requires_grad_(False)
+        self.bn = nn.BatchNorm1d(32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            h = self.stem(x)
+        return nn.functional.cross_entropy(self.head(torch.relu(self.bn(h))), y)
+
+
+def test_a_frozen_part_and_batchnorm_from_safetensors_train_like_the_host_model(tmp_path):
+    from safetensors.torch import save_model
+
+    host = _FrozenStem()
+    with torch.no_grad():
+        host.bn.running_mean.uniform_(-1, 1)  # a checkpoint's statistics, not the defaults
+    save_model(host, str(tmp_path / "model.safetensors"))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    plan = fxstar.Plan(device_memory="auto", optimizer={"lr": 1e-2})
+    reference = _train("gpt", fxstar.compile(host, plan, (x, y)), x, y, steps=3)
+    meta = _on_meta(_FrozenStem)
+    _same(_train("gpt", fxstar.compile(meta, plan, (x, y), weights=tmp_path), x, y, steps=3),
+          reference)  # fmt: skip
+    assert not meta.stem.weight.requires_grad  # still frozen
+    assert "bn.running_mean" in reference[2] and "bn.num_batches_tracked" in reference[2]
