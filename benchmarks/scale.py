@@ -3,13 +3,22 @@
 1. Host bytes per parameter: the peak resident memory of training a GPT, per parameter, for
    eager PyTorch (fused AdamW) and fxstar's chunk engine, from a host model and from a model
    built on the meta device whose weights are read from safetensors into the chunk homes. Each
-   run is a process of its own (peak RSS is the process's); compile's own peak apart.
-   PatrickStar's paper figure (fp16 + fp32 master) is 14 bytes per parameter.
+   run is a process of its own (peak RSS is the process's); compile's own peak apart. The
+   model-state column leaves out the arena (the compute tier, on the host only here) and the
+   activations saved for backward (measured in the same run): the targets are 16 bytes for
+   fp32 (parameter, gradient, two moments) and 14 for bf16 (fp32 master, two moments, the bf16
+   payload whose room the gradient takes), PatrickStar's paper figure.
 2. Compile (capture and every pass, no chunk homes) of meta-built GPTs of growing size: time
    and peak memory must not grow with the parameter count (fake tensors throughout).
+3. `--largest`: the deepest GPT of width 2048 that trains two steps within the host's memory
+   (less a reserve), eager fp32 against fxstar bf16 with a 2 GiB arena. The depth is predicted
+   from each run's bytes per layer at a small depth, then confirmed by training it (a watchdog
+   ends a run whose resident memory passes the limit, so the machine never swaps or kills).
 
     python benchmarks/scale.py                    # ~85M parameters, 2 steps; 0.1B..8B compiles
-    python benchmarks/scale.py --layers 24 --width 1024 --json scale.json
+    python benchmarks/scale.py --layers 24 --width 1024 --heads 16 --batch-size 2 \
+        --seq-len 128 --device-memory 1GiB --json scale.json   # the issue's 311M GPT
+    python benchmarks/scale.py --largest --compile-sizes "" --runs ""   # part 3 (~30 min)
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import fxstar
 
 RUNS = ("eager", "fxstar fp32", "fxstar fp32 meta+safetensors", "fxstar bf16",
         "fxstar bf16 meta+safetensors")  # fmt: skip
+LARGEST = ("eager", "fxstar bf16 meta+init")  # part 3: eager against fxstar's smallest form
+LARGEST_WIDTH, LARGEST_ARENA = 2048, "2GiB"
 
 
 def peak_rss() -> int:
@@ -42,7 +53,12 @@ def rss() -> int:
 
 
 def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
-    """In a child process: build, compile, train `args.steps` steps; the peaks."""
+    """In a child process: build, compile, train `args.steps` steps; the peaks. fxstar's rows
+    count from after a warm-up compile of a one-layer GPT: torch.export's first use imports
+    and caches a fixed amount, reported apart (`fixed_bytes`), which is not per parameter."""
+    start_rss = rss()
+    if run != "eager":
+        warm_up(args)
     base = rss()
     if "meta" in run:
         with torch.device("meta"):
@@ -52,6 +68,7 @@ def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
         model, idx, targets = make_gpt(args)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     start = time.perf_counter()
+    saved = SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
     if run == "eager":
         engine, compile_peak = model, peak_rss()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -59,12 +76,16 @@ def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
         precision = "bf16" if "bf16" in run else "fp32"
         plan = fxstar.Plan(device_memory=args.device_memory, precision=precision,
                            optimizer={"lr": 1e-4})  # fmt: skip
-        engine = fxstar.compile(model, plan, (idx, targets),
-                                weights=weights if "meta" in run else None)  # fmt: skip
+        source = "init" if "init" in run else weights if "meta" in run else None
+        engine = fxstar.compile(model, plan, (idx, targets), weights=source)
         compile_peak = peak_rss()
     compile_seconds = time.perf_counter() - start
-    for _ in range(args.steps):
-        loss = engine(idx, targets)
+    for step in range(args.steps):
+        if run == "eager" and step == 0:  # fxstar's tracer counts the same (chunks left out)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                loss = engine(idx, targets)
+        else:
+            loss = engine(idx, targets)
         loss.backward()
         if run == "eager":
             optimizer.step()
@@ -73,38 +94,64 @@ def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
             engine.step()
             engine.zero_grad()
     arena = engine.chunks.arena.buffer.numel() if run != "eager" else 0
+    activations = saved.peak if run == "eager" else engine.chunks.tracer.peak_nonmodel
     return {
-        "run": run, "params": params, "baseline_rss": base, "compile_peak": compile_peak,
-        "peak": peak_rss(), "arena_bytes": arena, "compile_seconds": compile_seconds,
-        "loss": loss.item(),
+        "run": run, "params": params, "baseline_rss": base, "fixed_bytes": base - start_rss,
+        "compile_peak": compile_peak,
+        "peak": peak_rss(), "arena_bytes": arena, "activation_bytes": activations,
+        "compile_seconds": compile_seconds, "loss": loss.item(),
     }  # fmt: skip
+
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves in one forward, parameters left out."""
+
+    def __init__(self, parameters: set[int]):
+        self.parameters, self.seen, self.peak = parameters, set(), 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.parameters | self.seen and t.device.type != "meta":
+            self.seen.add(storage.data_ptr())
+            self.peak += storage.nbytes()
+        return t
 
 
 # width and depth: one depth, so the graph has the same nodes at every size
 COMPILE_SIZES = {"0.1B": (1024, 8), "0.5B": (2304, 8), "2B": (4608, 8), "8B": (9216, 8)}
 
 
-def compile_only(size: str, args: argparse.Namespace) -> dict:
-    """In a child process: capture a meta-built GPT of `size` and run the chunk plan's passes."""
-    from fxstar.capture import capture
+def meta_gpt(args: argparse.Namespace, width: int, layers: int):
+    """A GPT built on the meta device (no storage)."""
     from fxstar.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=layers,
+                    n_head=max(width // 128, 1), n_embd=width, dropout=0.0)  # fmt: skip
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def compiled(model, args: argparse.Namespace):
+    """Capture and every pass of the chunk plan, no chunk homes."""
+    from fxstar.capture import capture
     from fxstar.passes import PassManager, passes_for
 
-    def meta_gpt(width: int, layers: int) -> GPT:
-        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=layers,
-                        n_head=width // 128, n_embd=width, dropout=0.0)  # fmt: skip
-        with torch.device("meta"):
-            return GPT(cfg)
+    plan = fxstar.Plan(device_memory="auto")
+    inputs = make_gpt_inputs(args)
+    return PassManager(passes_for(plan)).run(capture(model, inputs, plan=plan))
 
-    def compiled(model: GPT):
-        plan = fxstar.Plan(device_memory="auto")
-        return PassManager(passes_for(plan)).run(capture(model, (idx, targets), plan=plan))
 
-    idx, targets = make_gpt_inputs(args)
-    compiled(meta_gpt(128, 1))  # torch's first export imports and caches a few hundred MiB
-    model = meta_gpt(*COMPILE_SIZES[size])
+def warm_up(args: argparse.Namespace) -> None:
+    """torch's first export imports and caches a few hundred MiB, once per process."""
+    compiled(meta_gpt(args, 128, 1), args)
+
+
+def compile_only(size: str, args: argparse.Namespace) -> dict:
+    """In a child process: capture a meta-built GPT of `size` and run the chunk plan's passes."""
+    warm_up(args)
+    model = meta_gpt(args, *COMPILE_SIZES[size])
     base, start = peak_rss(), time.perf_counter()
-    program = compiled(model)
+    program = compiled(model, args)
     return {
         "size": size, "params": sum(p.numel() for p in set(model.parameters())),
         "seconds": time.perf_counter() - start, "peak_growth": peak_rss() - base,
@@ -132,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-sizes", default=",".join(COMPILE_SIZES))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
+    parser.add_argument("--largest", action="store_true", help="part 3 (about half an hour)")
+    parser.add_argument("--reserve", type=float, default=2.0,
+                        help="GiB of host memory part 3 leaves to the system")  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.child:
@@ -149,23 +199,32 @@ def main(argv: list[str] | None = None) -> int:
         del model
         rows = [child(run, argv, tmp) for run in args.runs.split(",") if run]
         compiles = [child(size, argv, tmp) for size in args.compile_sizes.split(",") if size]
+    child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--largest"]
+    big = largest(args, child_argv) if args.largest else []
     if rows:
         print(f"GPT {args.layers} layers, width {args.width}, {rows[0]['params'] / 1e6:.1f}M "
               f"parameters, batch {args.batch_size} x {args.seq_len}, {args.steps} steps; "
               f"device_memory {args.device_memory} (the arena is on the host here)")  # fmt: skip
-        print(f"{'run':<30} {'B/param':>8} {'w/o arena':>10} {'compile':>8} {'compile s':>9}")
+        print(f"{'run':<30} {'B/param':>8} {'arena':>6} {'activ.':>6} {'model state':>11} "
+              f"{'target':>6} {'compile':>8} {'compile s':>9}")  # fmt: skip
         for r in rows:
             n, base = r["params"], r["baseline_rss"]
             r["bytes_per_param"] = (r["peak"] - base) / n
-            r["bytes_per_param_without_arena"] = (r["peak"] - base - r["arena_bytes"]) / n
+            r["model_state_bytes_per_param"] = (
+                r["peak"] - base - r["arena_bytes"] - r["activation_bytes"]
+            ) / n
             r["compile_bytes_per_param"] = (r["compile_peak"] - base) / n
-            print(f"{r['run']:<30} {r['bytes_per_param']:>8.1f} "
-                  f"{r['bytes_per_param_without_arena']:>10.1f} "
-                  f"{r['compile_bytes_per_param']:>8.1f} {r['compile_seconds']:>9.1f}")  # fmt: skip
+            r["target"] = None if r["run"] == "eager" else 14 if "bf16" in r["run"] else 16
+            print(f"{r['run']:<30} {r['bytes_per_param']:>8.1f} {r['arena_bytes'] / n:>6.1f} "
+                  f"{r['activation_bytes'] / n:>6.1f} {r['model_state_bytes_per_param']:>11.1f} "
+                  f"{r['target'] or '':>6} {r['compile_bytes_per_param']:>8.1f} "
+                  f"{r['compile_seconds']:>9.1f}")  # fmt: skip
+        fixed = max(r["fixed_bytes"] for r in rows)
         print(
-            "B/param: (peak RSS - RSS after imports) / parameters, activations included; w/o "
-            "arena: less the compute tier's arena (on the host here); compile: the same at the "
-            "end of compile"
+            f"B/param: (peak RSS - RSS after imports) / parameters (fxstar's after a warm-up "
+            f"compile too: {fixed / 2**20:.0f} MiB, once per process); arena: the compute tier's "
+            "(on the host here); activ.: saved for backward at their peak; model state: "
+            "B/param less both; compile: B/param at the end of compile"
         )
     print()
     print(f"{'meta GPT':<8} {'params':>8} {'compile s':>9} {'peak growth':>12} {'chunks':>7}")
@@ -175,20 +234,102 @@ def main(argv: list[str] | None = None) -> int:
     if compiles:
         growth = max(c["seconds"] for c in compiles) / min(c["seconds"] for c in compiles)
         print(f"compile time, largest over smallest: {growth:.2f}x (target: within 2x)")
+    if big:
+        print()
+        print(f"largest GPT of width {LARGEST_WIDTH} training 2 steps within "
+              f"{big[0]['limit'] / 2**30:.1f} GiB of host memory (batch {args.batch_size} x "
+              f"{args.seq_len}; fxstar's arena {LARGEST_ARENA})")  # fmt: skip
+        print(f"{'run':<24} {'layers':>6} {'params':>8} {'peak RSS':>9} {'MiB/layer':>9}")
+        for r in big:
+            print(f"{r['run']:<24} {r['layers']:>6} {r['params'] / 1e9:>7.2f}B "
+                  f"{r['peak'] / 2**30:>7.2f}GiB {r['bytes_per_layer'] / 2**20:>9.0f}")  # fmt: skip
+        print(
+            f"fxstar over eager, parameters: {big[1]['params'] / big[0]['params']:.2f}x "
+            "(target: at least 1.1x)"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
-            json.dump({"args": vars(args), "rows": rows, "compiles": compiles}, file, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "compiles": compiles, "largest": big},
+                      file, indent=2)  # fmt: skip
     return 0
 
 
-def child(what: str, argv: list[str] | None, weights: str) -> dict:
-    """Run one row in a process of its own (its peak RSS is the row's)."""
+def child(what: str, argv: list[str] | None, weights: str, *extra: str,
+          rss_limit: int | None = None) -> dict | None:  # fmt: skip
+    """Run one row in a process of its own (its peak RSS is the row's). With `rss_limit`, a
+    watchdog ends the process when its resident memory passes the limit (or the machine's
+    available memory runs low): None then."""
     command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
-               "--child", what, "--weights", weights]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"{what} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+               "--child", what, "--weights", weights, *extra]  # fmt: skip
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        over = False
+        while process.poll() is None:
+            if rss_limit is not None and (
+                _status_bytes(process.pid, "VmRSS") > rss_limit or _available() < 2**29
+            ):
+                process.kill()
+                over = True
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        if over or (rss_limit is not None and process.returncode == -9):
+            return None
+        if process.returncode != 0:
+            raise SystemExit(f"{what} failed:\n{err.read()[-3000:]}")
+        return json.loads(out.read().strip().splitlines()[-1])
+
+
+def _status_bytes(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as file:
+            for line in file:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as file:
+        for line in file:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def largest(args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    """Part 3: per run, the deepest width-2048 GPT that trains within the memory limit."""
+    with open("/proc/meminfo") as file:
+        total = int(file.readline().split()[1]) * 1024
+    limit = total - int(args.reserve * 2**30)
+    shape = ["--width", str(LARGEST_WIDTH), "--heads", str(LARGEST_WIDTH // 128),
+             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+             "--device-memory", LARGEST_ARENA, "--steps", "2"]  # fmt: skip
+    results = []
+    for run in LARGEST:
+
+        def at(layers: int, limit: int | None = limit, run: str = run) -> dict | None:
+            row = child(run, [*argv, *shape, "--layers", str(layers)], "", rss_limit=limit)
+            print(f"  {run}: {layers} layers -> "
+                  + ("over the limit" if row is None else f"peak {row['peak'] / 2**30:.2f} GiB"),
+                  flush=True)  # fmt: skip
+            return row
+
+        small, larger = at(2, None), at(4, None)
+        per_layer = (larger["peak"] - small["peak"]) / 2
+        depth = int((limit - small["peak"]) / per_layer) + 2
+        best, row = None, at(depth)
+        while row is None and depth > 4:  # the prediction overshot: one layer less at a time
+            depth -= 1
+            row = at(depth)
+        while row is not None:  # it fits: one more layer, until one does not
+            best = row | {"layers": depth}
+            depth += 1
+            row = at(depth)
+        results.append(best | {"run": run, "limit": limit, "bytes_per_layer": per_layer})
+    return results
 
 
 if __name__ == "__main__":

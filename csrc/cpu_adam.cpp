@@ -100,7 +100,10 @@ void adam_step(py::handle param, py::handle grad, py::handle exp_avg, py::handle
     require_dtype(o, {DType::bf16, DType::f16});
     require_same_numel(s.param, o);
     require_disjoint_from_state(o, s);
-    require_disjoint(o, g);
+    // out may be the gradient itself (the bf16/fp16 gradient in its parameters' room, as
+    // PatrickStar keeps it): each element's gradient is read before its copy is written
+    const bool in_place = o.data == g.data && o.dtype == g.dtype;
+    if (!in_place) require_disjoint(o, g);
     b.out = o.data;
     b.out_dtype = o.dtype;
   }

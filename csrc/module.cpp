@@ -100,7 +100,8 @@ PYBIND11_MODULE(_C, m) {
         "variant"_a = "",
         "One Adam/AdamW update in a single pass over memory, in place on param, exp_avg and "
         "exp_avg_sq (fp32). grad may be fp32, bf16 or fp16 and is multiplied by grad_scale "
-        "first; out (bf16/fp16), if given, receives the updated parameter. Hyperparameters must be "
+        "first; out (bf16/fp16), if given, receives the updated parameter (out may be grad itself: "
+        "it is overwritten). Hyperparameters must be "
         "finite as float32, eps at least float32's smallest normal; num_threads >= 1, clamped to "
         "max_threads().");
   m.def("grad_stats", &fxstar::grad_stats, "grad"_a, py::kw_only(), "num_threads"_a,

@@ -607,6 +607,13 @@ class Plan:
         doc="Copy gradients to their chunk buffers beside backward (a copy stream; on a "
         "CPU-only machine a worker thread); 'auto' = on with an accelerator.",
     )  # fmt: skip
+    grads_in_host: bool = _option(
+        True, check=_boolean, feature="the chunk manager's gradient buffers",
+        doc="Under bf16/fp16, a chunk's gradient takes the room of its host payload once "
+        "backward produced it, and the optimizer step writes the updated parameters over it "
+        "(PatrickStar's 14 bytes per parameter); False gives gradients buffers of their own "
+        "(2 more bytes per parameter) so they outlive the step.",
+    )  # fmt: skip
     mem_saving_comm: bool = _option(
         False, check=_boolean, feature=_DIST,
         doc="Gather remote chunks one at a time to save memory at the cost of bandwidth.",

@@ -24,10 +24,12 @@ void adam_typed(const fxstar::AdamHyper& h, const fxstar::AdamBuffers& b, int th
   const float l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
   const float decay = h.adamw ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
   float* __restrict p = b.param;
-  const G* __restrict g = static_cast<const G*>(b.grad);
+  // not __restrict: `out` may be `g` itself (the gradient in its parameters' room); each
+  // block reads its gradients in the update loop before the copy loop writes over them
+  const G* g = static_cast<const G*>(b.grad);
   float* __restrict m = b.exp_avg;
   float* __restrict v = b.exp_avg_sq;
-  O* __restrict out = static_cast<O*>(b.out);
+  O* out = static_cast<O*>(b.out);
   const int64_t n = b.numel;
 
   // One element of the update, exactly as torch's single-tensor AdamW computes it. A macro,

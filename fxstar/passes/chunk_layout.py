@@ -35,7 +35,7 @@ LAYOUT_KEY = "chunk_layout"  # Program.shared key: one layout for every capture 
 BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='auto' settled on
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
-                 "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
+                 "async_mem_monitor", "overlap_grad_copies", "grads_in_host")  # fmt: skip
 
 
 class ChunkLayoutError(FxstarError, ValueError):
@@ -334,8 +334,7 @@ class ChunkLayoutPass(Pass):
     phase = "place"
     requires_fresh = ("shape_memory",)  # budgets are planned on the graph that will run
     after = ("cpu_embedding",)
-    implements = ("device_memory", "chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio",
-                  "mem_cache", "async_mem_monitor", "overlap_grad_copies")  # fmt: skip
+    implements = ("device_memory", *CHUNK_OPTIONS)
 
     def enabled_by(self, plan) -> bool:
         return uses_chunks(plan)

@@ -103,6 +103,7 @@ class ChunkManager:
         prefetch: bool | None = None,
         monitor: bool = False,
         overlap_grad_copies: bool | None = None,
+        grads_in_host: bool = True,
     ):
         self.layout = layout
         self.device = torch.device(device)
@@ -114,10 +115,12 @@ class ChunkManager:
         self._plan_source: ChunkPlan | None = None  # the ChunkPlan the current step follows
         self._observed: set[int] = set()  # id() of plans a traced step was observed for
         self._overlapped = False  # this step began before the last one's backward ran
-        pin = self.device.type == "cuda"
+        self.pin = pin = self.device.type == "cuda"  # host homes page-locked for async copies
         copy_stream = torch.cuda.Stream(self.device) if pin else None
         self.low_precision = layout.dtype != torch.float32
         self.homes: dict[str, torch.Tensor] = {}  # what each stable parameter is a view of
+        # bf16/fp16: a chunk's gradient takes the room of its host payload (PatrickStar)
+        self.grads_in_host = self.low_precision and grads_in_host
         self.chunks, self.stable = self._make_homes(params, masters or params, pin)
         blocks = ReservedBlocks(self.arena)  # arena blocks beside the chunks (fix())
         self.residency = Residency(
@@ -190,15 +193,17 @@ class ChunkManager:
         master = None
         if self.low_precision:
             master = host_empty(size * 4, zero=True).view(torch.float32)
-        trainable = [c for c in lay.chunks if c.trainable]
-        grad_parts = _packed(lay, [c.used for c in trainable])
-        grad_size = grad_parts[-1].stop if grad_parts else 0
-        grads = host_empty(grad_size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
-        grad_of = {c.id: grads[part] for c, part in zip(trainable, grad_parts, strict=True)}
+        trainable = [c.id for c in lay.chunks if c.trainable]
+        if self.grads_in_host:
+            grad_of = {c.id: host[part] for c, part in zip(lay.chunks, parts, strict=True)
+                       if c.trainable}  # fmt: skip
+        else:
+            grad_of = self._grad_buffers(trainable, pin)
         chunks, stable = [], {}
         for spec, part in zip(lay.chunks, parts, strict=True):
             chunk = Chunk(spec.id, spec.params, host[part], grad_of.get(spec.id), spec.used,
-                          master[part] if master is not None else None)  # fmt: skip
+                          master[part] if master is not None else None,
+                          grads_in_host=self.grads_in_host and spec.trainable)  # fmt: skip
             home = chunk.master if chunk.master is not None else chunk.host
             for slot in spec.params:
                 view = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -212,6 +217,15 @@ class ChunkManager:
         for chunk in chunks:
             chunk.sync_host(stable)
         return chunks, stable
+
+    def _grad_buffers(self, chunk_ids: list[int], pin: bool) -> dict[int, torch.Tensor]:
+        """Gradient buffers of their own for these chunks, packed in one host allocation."""
+        lay = self.layout
+        used = [lay.chunks[i].used for i in chunk_ids]
+        parts = _packed(lay, used)
+        size = parts[-1].stop if parts else 0
+        grads = host_empty(size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
+        return {i: grads[part] for i, part in zip(chunk_ids, parts, strict=True)}
 
     def masters_written(self) -> None:
         """The stable parameters (the fp32 masters under bf16/fp16) were written from outside
@@ -387,6 +401,13 @@ class ChunkManager:
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         return self.grads.grad_view(slot)
 
+    def payload_written(self, slots: list[ParamSlot]) -> None:
+        """The optimizer wrote these slots' updated parameters into their chunk's host payload,
+        over the gradients that had its room: those are consumed until zero_grad."""
+        for slot in slots:
+            self.chunks[slot.chunk].grad_slots.discard(slot.name)
+            self.grads.consumed_by_step(slot)
+
     def grad_copy_overlap(self) -> float | None:
         """The share of gradient copy time hidden behind backward, None before any copy."""
         return self.grads.overlap_share()
@@ -431,7 +452,8 @@ class ChunkManager:
             f"peak chunks {arena['peak_in_use']:,}, now {self.resident_bytes():,}",
             f"host tier: {sum(c.host.nbytes for c in self.chunks):,} parameter and "
             f"{sum(c.host_grad.nbytes for c in self.chunks if c.host_grad is not None):,} "
-            "gradient bytes (the chunks' padding left out)",
+            "gradient bytes (the chunks' padding left out"
+            + ("; the gradients in the parameters' room)" if self.grads_in_host else ")"),
             f"moved host->compute: {moved:,} bytes in the last training step "
             f"({moved / max(lay.param_bytes, 1):.2f}x the parameter bytes; "
             f"{st.moved_bytes_total / steps:,.0f} per step on average)",

@@ -66,7 +66,8 @@ def adam_step(
 
     `grad` may be fp32, bf16 or fp16; it is multiplied by `grad_scale` (1/loss_scale times the
     clip factor) before use. If `out` (bf16/fp16) is given, the updated parameter is also
-    written there, rounded as `param.to(out.dtype)` would.
+    written there, rounded as `param.to(out.dtype)` would; `out` may be `grad` itself (a
+    gradient in its parameters' room), which it then overwrites.
     """
     _C.adam_step(
         _plain(param),

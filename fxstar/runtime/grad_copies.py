@@ -19,8 +19,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fxstar.errors import FxstarError
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.residency import Residency
+
+
+class GradientConsumedError(FxstarError, RuntimeError):
+    """A gradient the optimizer step overwrote (it shared its parameters' room) was asked for."""
+
 
 # a copy in flight: a worker thread's future, or the CUDA events around a copy-stream copy
 PendingCopy = concurrent.futures.Future | tuple[torch.cuda.Event, torch.cuda.Event]
@@ -35,6 +41,9 @@ class GradAccumulator:
         self.low_precision = low_precision
         self.overlap = overlap  # copy gradients beside backward (overlap_grad_copies)
         self.present: set[str] = set()  # slots given a gradient since the last zero_grad
+        # slots whose gradient the optimizer step overwrote with parameters (bf16/fp16, the
+        # gradient in its payload's room): gone until zero_grad, never read as if it were there
+        self.consumed: set[str] = set()
         self._pending: list[PendingCopy] = []
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._wait_queued = False
@@ -54,12 +63,31 @@ class GradAccumulator:
     def slot_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         """This step's gradient of a parameter, or None when it got none."""
         if self.low_precision:
+            self._check_not_consumed(slot, "read")
             return self.grad_view(slot) if slot.name in self.present else None
         return self.stable[slot.name].grad
 
+    def _check_not_consumed(self, slot: ParamSlot, doing: str) -> None:
+        if slot.name in self.consumed:
+            raise GradientConsumedError(
+                f"cannot {doing} the gradient of {slot.name}: under bf16/fp16 a chunk's "
+                "gradient takes the room of its low-precision parameters, and the optimizer "
+                "step replaced it with the updated parameters. Read gradients before "
+                "engine.step(), call engine.zero_grad() after it, or compile with "
+                "grads_in_host=False (2 more bytes per parameter) to keep them past the step."
+            )
+
+    def consumed_by_step(self, slot: ParamSlot) -> None:
+        """The optimizer wrote this slot's updated parameters over its gradient."""
+        if slot.name in self.present:
+            self.consumed.add(slot.name)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait()  # a copy in flight would land after the zeroing
+        for chunk in self.residency.chunks:
+            chunk.restore_params()  # a gradient no step consumed gives its room back
         self.present.clear()
+        self.consumed.clear()
         for p in self.stable.values():
             if p.grad is not None:
                 if set_to_none:
@@ -86,6 +114,10 @@ class GradAccumulator:
     def add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         stable = self.stable[slot.name]
         if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
+            self._check_not_consumed(slot, "accumulate into")
+            chunk = self.residency.chunks[slot.chunk]
+            if chunk.grads_in_host:  # before the copy: a load from now on restores the room
+                chunk.grad_slots.add(slot.name)
             if slot.name in self.present:
                 self.wait()
                 buffer = self.grad_view(slot)

@@ -237,6 +237,8 @@ class HybridAdam(torch.optim.Optimizer):
                 adamw=self.adamw, grad_scale=grad_scale,
                 out=chunk.host[span] if chunk.master is not None else None,
             )  # fmt: skip
+            if chunk.grads_in_host:  # the copy-out overwrote the gradients in their room
+                self.manager.payload_written([self._slots[id(p)] for p in params])
             touched.add(slot.chunk)
         for chunk_id in touched:
             if self.manager.chunks[chunk_id].fixed:

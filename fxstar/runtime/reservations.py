@@ -106,6 +106,8 @@ class Reservations:
         if grad is not None:
             grad[used].copy_(chunk.host_grad[used])
             chunk.host_grad = grad
+            chunk.grads_in_host = False  # its gradients live beside it on the compute tier now
+            chunk.grad_slots.clear()
         home = residency.chunk_view(chunk)
         if master is not None:
             master[used].copy_(chunk.master[used])

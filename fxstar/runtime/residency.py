@@ -16,7 +16,7 @@ import bisect
 import enum
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,6 +75,11 @@ class Chunk:
     loaded_versions: tuple[int, ...] = ()  # host_version and stable versions when copied
     last_access: int = -1
     fixed: bool = False  # kept on the compute tier for good, optimizer included (fix())
+    # bf16/fp16: the gradient takes the room of the host payload (`host_grad` views `host`),
+    # slot by slot as backward produces it; `grad_slots` names the slots whose room holds a
+    # gradient now. Their parameters are the rounded masters, which restore them.
+    grads_in_host: bool = False
+    grad_slots: set[str] = field(default_factory=set)
 
     def move(self, new: ChunkState) -> None:
         if new not in LEGAL[self.state]:
@@ -88,12 +93,30 @@ class Chunk:
         return self.state in RESIDENT
 
     def sync_host(self, stable: Mapping[str, nn.Parameter]) -> None:
-        """Round the fp32 masters into the chunk's low-precision host copy."""
+        """Round the fp32 masters into the chunk's low-precision host copy (a slot whose room
+        holds its gradient keeps it)."""
         if self.master is None or self.fixed:  # a fixed chunk's copy is on the compute tier
             return
-        self.host[: self.used].copy_(self.master[: self.used])
+        if self.grad_slots:
+            self.round_into(self.host, [s for s in self.slots if s.name not in self.grad_slots])
+        else:
+            self.host[: self.used].copy_(self.master[: self.used])
         self.synced_versions = tuple(stable[s.name]._version for s in self.slots)
         self.host_version += 1
+
+    def round_into(self, payload: torch.Tensor, slots: Sequence[ParamSlot]) -> None:
+        """These slots' parameters, rounded from their fp32 masters, into a payload laid out
+        as the chunk (its host copy or its compute-tier copy)."""
+        for slot in slots:
+            span = slice(slot.offset, slot.offset + slot.numel)
+            payload[span].copy_(self.master[span])
+
+    def restore_params(self) -> None:
+        """Every slot whose host room holds a gradient gets its parameters back (the gradient
+        was consumed or is dropped)."""
+        if self.grad_slots:
+            self.round_into(self.host, [s for s in self.slots if s.name in self.grad_slots])
+            self.grad_slots.clear()
 
 
 class Residency:
@@ -299,7 +322,10 @@ class Residency:
         """Copy the chunk's host home into the arena block at `offset`."""
         versions = self.versions(chunk)  # first: it may refresh the host copy from masters
         chunk.offset = offset
-        self.copy(self.view(chunk, 0, (chunk.used,)), chunk.host[: chunk.used], to_host=False)
+        payload = self.view(chunk, 0, (chunk.used,))
+        self.copy(payload, chunk.host[: chunk.used], to_host=False)
+        if chunk.grad_slots:  # their host room holds gradients: the parameters from masters
+            chunk.round_into(payload, [s for s in chunk.slots if s.name in chunk.grad_slots])
         chunk.loaded_versions = versions
         chunk.move(state)
         self.stats.loads += 1

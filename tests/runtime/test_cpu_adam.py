@@ -84,6 +84,27 @@ def test_low_precision_copy_equals_master_cast(out_dtype):
 
 
 @pytest.mark.parametrize("variant", cpu_adam.available_variants())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_copy_may_overwrite_its_own_gradient(dtype, variant):
+    """A bf16/fp16 gradient in its parameters' room: out is grad itself, and the update is
+    the one separate buffers give (every block's gradients are read before they are written)."""
+    n = 3 * 2048 + 5  # the copy loop's blocks, and a ragged end
+    master = torch.randn(n) * 10
+    grad = torch.randn(n).to(dtype)
+    results = []
+    for in_place in (False, True):
+        param, exp_avg, exp_avg_sq = master.clone(), torch.zeros(n), torch.zeros(n)
+        g = grad.clone()
+        out = g if in_place else torch.empty(n, dtype=dtype)
+        cpu_adam.adam_step(param, g, exp_avg, exp_avg_sq, step=1, out=out, grad_scale=0.5,
+                           variant=variant, **HYPER)  # fmt: skip
+        results.append((param, exp_avg, exp_avg_sq, out))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(results[1][3], results[1][0].to(dtype))
+
+
+@pytest.mark.parametrize("variant", cpu_adam.available_variants())
 def test_every_available_variant_matches_torch(variant):
     ours, theirs = run_both(4096 + 3, adamw=True, steps=10, variant=variant)
     for a, b in zip(ours, theirs):
@@ -318,6 +339,9 @@ def test_aliasing_is_refused():
         call(param=buf, grad=buf)
     with pytest.raises(ValueError, match="out and param overlap"):
         call(param=buf, out=buf.view(torch.bfloat16)[:16])
+    grad = torch.zeros(32, dtype=torch.bfloat16)  # out may be grad, not a part of it
+    with pytest.raises(ValueError, match="out and grad overlap"):
+        call(param=torch.zeros(16), grad=grad[:16], out=grad[8:24])
 
 
 def test_meta_tensors_are_refused_cleanly():
