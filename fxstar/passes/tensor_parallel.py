@@ -27,6 +27,7 @@ from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
 from fxstar.program import Program
 from fxstar.runtime import agreement
 from fxstar.runtime import dist as tp
+from fxstar.runtime import vocab_parallel as vp
 
 __all__ = ["GROUP_KEY", "TensorParallel", "shard_of", "unshard"]
 
@@ -150,6 +151,8 @@ class _Rewrite:
             self.nodes[name].meta["val"] = _local_val(old_vals[name], -2, self.n)
         for site in s.sites:
             self._replace_site(site)
+        if s.vocab is not None:
+            self._vocab(s.vocab)
         self._boundaries(s.scatters, tp.scatter_to_seq, "scatter", -2)
         self._boundaries(s.gathers, tp.gather_from_seq, "gather", -2)
         self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce", None)
@@ -211,6 +214,38 @@ class _Rewrite:
             node = self.nodes.get(placeholder) if placeholder else None
             if node is not None and not node.users:
                 self.program.remove_input(node)
+
+    # -- the vocabulary: embeddings on the head's shard, the loss on the logits' shards --------
+
+    def _vocab(self, vocab) -> None:
+        kwargs = {"mem_saving": self.mem_saving, "group": self.group}
+        head = self.nodes[vocab.head]  # the column_linear that replaced the head
+        head_weight = head.args[1]
+        slots = self.program.placeholder_kinds()
+        for name in vocab.embeddings:
+            node = self.nodes[name]
+            weight = node.args[0]
+            if weight.name == self.sharding.site(vocab.head).weight:  # tied: the head's shard
+                shard = head_weight
+            else:
+                shard = self._shard_param(weight.name, slots[weight.name].target, 0, 1)
+            padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            node.target, node.args, node.kwargs = vp.vocab_embedding, (shard, node.args[1],
+                                                                       padding_idx), kwargs
+            note(node, "tp", "vocab-parallel")
+            if not weight.users:
+                self.program.remove_input(weight)
+        loss = self.nodes[vocab.loss]
+        loss.target, loss.kwargs = vp.vocab_cross_entropy, {**loss.kwargs, **kwargs}
+        for name in vocab.returned:
+            producer = self.nodes[name]
+            output = next(u for u in producer.users if u.op == "output")
+            with self.graph.inserting_before(output):
+                gathered = self.graph.create_node("call_function", vp.gather_from_vocab,
+                                                  (producer,), kwargs, name=f"gather_{name}")
+            gathered.meta["val"] = self.full_vals[name]
+            note(gathered, "tp", "gather(vocab)")
+            output.replace_input_with(producer, gathered)
 
     # -- collectives at the edges of the sequence-sharded region ---------------------------------
 
