@@ -138,6 +138,8 @@ class Sharding:
     grad_reduces: list[Edge] = field(default_factory=list)  # read by rank-local work: sum grads
     vocab: VocabParallel | None = None  # the head, loss and embeddings split by vocabulary
     vocab_off: str = ""  # why the head stays whole, when it does
+    rank_random: list[str] = field(default_factory=list)  # dropouts on splits: own stream
+    seq_random: list[str] = field(default_factory=list)  # dropouts on sequence slices
 
     def site(self, output: str) -> LinearSite:
         return next(s for s in self.sites if s.output == output)
@@ -492,6 +494,31 @@ def _check_slices_meet_splits(sharding: Sharding, needs_grad: set[fx.Node]) -> N
             )
 
 
+def _dropout_p(node: fx.Node) -> float:
+    """The drop probability of a dropout or an attention that drops (0 for any other)."""
+    op = op_name(node)
+    if op == "dropout":
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return float(node.args[1]) if train else 0.0
+    if op == "scaled_dot_product_attention":
+        return float(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
+    return 0.0
+
+
+def _random_streams(program: Program, sharding: Sharding) -> None:
+    """Which random ops draw from this rank's own stream (on heads or features split across
+    ranks) and which draw the whole sequence's mask and keep their slice (sequence
+    parallel); the others draw from the stream every rank shares (runtime/rng_tracker)."""
+    seq = set(sharding.seq_nodes)
+    for node in program.graph_module.graph.nodes:
+        if _dropout_p(node) == 0.0:
+            continue
+        if node.name in sharding.sharded:
+            sharding.rank_random.append(node.name)
+        elif node.name in seq and op_name(node) == "dropout":
+            sharding.seq_random.append(node.name)
+
+
 def _add_vocab(program: Program, sharding: Sharding) -> None:
     """The head as a column site (rule 'vocab'), after the others: the carrier has run
     without it, and its split reaches the loss along the chain tp_vocab carried."""
@@ -559,6 +586,7 @@ class TPSharding(Pass):
         if config.sequence_parallel:
             _sequence_region(program, sharding, set(sharding.sharded), n)
             _check_slices_meet_splits(sharding, carrier.needs_grad)
+        _random_streams(program, sharding)
         program.decisions.tp_sharding = sharding
         self._annotate(program, sharding)
         return program
@@ -576,6 +604,10 @@ class TPSharding(Pass):
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", text)
         for name in sharding.seq_nodes:
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", "seq")
+        for name in sharding.rank_random:
+            note(nodes[name], "rng", "rank stream")
+        for name in sharding.seq_random:
+            note(nodes[name], "rng", "sequence mask, own slice")
         vocab = sharding.vocab
         for name in (vocab.loss, *vocab.embeddings) if vocab else ():
             note(nodes[name], "tp", "vocab-parallel")

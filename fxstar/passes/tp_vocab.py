@@ -70,9 +70,7 @@ def _is_embedding_of(node: fx.Node, weight: fx.Node) -> bool:
     return not scale and not sparse
 
 
-def find_vocab(
-    program: Program, rules: dict[str, str], n: int
-) -> tuple[VocabParallel | None, str]:
+def find_vocab(program: Program, rules: dict[str, str], n: int) -> tuple[VocabParallel | None, str]:
     """(the vocab-parallel decision, '') or (None, why the head stays whole)."""
     graph = program.graph_module.graph
     losses = [node for node in graph.nodes if op_name(node) == "cross_entropy_loss"]

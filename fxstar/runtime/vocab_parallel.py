@@ -58,7 +58,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, comm):
         start, end = _rows(comm, logits.shape[-1])
-        x = logits.float()
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16: in fp32
         top = x.amax(-1)
         comm.all_reduce(top, op=dist.ReduceOp.MAX).wait()
         x = x - top.unsqueeze(-1)
@@ -89,7 +89,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local] -= mine.to(g.dtype)
         g.mul_(valid.unsqueeze(-1))
-        grad = grad.float()
+        grad = grad.to(g.dtype)
         if ctx.reduction == "none":
             g.mul_(grad.unsqueeze(-1))
         else:
