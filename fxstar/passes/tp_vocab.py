@@ -106,9 +106,10 @@ def find_vocab(program: Program, rules: dict[str, str], n: int) -> tuple[VocabPa
 
     if program.plan.cpu_embedding:
         return off("cpu_embedding keeps the embedding on the host, whole")
-    args = (*loss.args, None, 1, -100, 0.0)[len(loss.args) - 2 :]  # weight .. label_smoothing
-    weight, label_smoothing = args[2], loss.kwargs.get("label_smoothing", args[5])
-    if loss.kwargs.get("weight", weight) is not None or label_smoothing:
+    defaults = (None, 1, -100, 0.0)  # weight, reduction, ignore_index, label_smoothing
+    given = (*loss.args[2:], *defaults[len(loss.args) - 2 :])
+    weight = loss.kwargs.get("weight", given[0])
+    if weight is not None or loss.kwargs.get("label_smoothing", given[3]):
         return off(f"{loss.name} has class weights or label smoothing")
     logits_shape, target_shape = static_shape(loss.args[0]), static_shape(loss.args[1])
     if len(logits_shape or ()) != 2 or len(target_shape or ()) != 1:

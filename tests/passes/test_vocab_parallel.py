@@ -9,8 +9,10 @@ from conftest import SEQ, VOCAB
 from test_tensor_parallel import _compare, _inputs, _loss, _make, _plan, _reference
 
 import fxstar
+from fxstar.capture import capture
 from fxstar.dist_launch import spawn
 from fxstar.passes.shape_memory import META_KEY as MEMORY
+from fxstar.passes.tp_vocab import find_vocab
 from fxstar.runtime import dist as tp
 from fxstar.runtime import rng_tracker
 from fxstar.runtime import vocab_parallel as vp
@@ -208,3 +210,27 @@ def test_dropout_draws_per_rank_inside_splits_and_the_shared_stream_outside():
     assert not failures, "\n".join(failures[:20])
     assert not torch.equal(results[0]["rank_mask"], results[1]["rank_mask"])
     assert torch.equal(results[0]["shared_mask"], results[1]["shared_mask"])
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, smoothing: float):
+        super().__init__()
+        self.wte = torch.nn.Embedding(VOCAB, 32)
+        self.lm_head = torch.nn.Linear(32, VOCAB, bias=False)
+        self.smoothing = smoothing
+
+    def forward(self, ids, targets):
+        logits = self.lm_head(self.wte(ids))
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1),
+                               label_smoothing=self.smoothing)  # fmt: skip
+
+
+def test_a_loss_the_shards_cannot_compute_keeps_the_head_whole_and_says_why():
+    args, _ = _inputs("gpt")
+    plan = fxstar.Plan(tensor_parallel={"size": 2})
+    decision, why = find_vocab(capture(_Head(0.0), args, {}, plan=plan), {}, 2)
+    assert (decision.tied, decision.embeddings, why) == (False, ["embedding"], "")
+    decision, why = find_vocab(capture(_Head(0.1), args, {}, plan=plan), {}, 2)
+    assert decision is None and "label smoothing" in why
+    decision, why = find_vocab(capture(_Head(0.0), args, {}, plan=plan), {}, 3)
+    assert decision is None and "not divisible by tensor_parallel.size=3" in why
