@@ -105,6 +105,10 @@ def _boolean(v, name):
     return v
 
 
+def _optional_boolean(v, name):
+    return None if v is None else _boolean(v, name)
+
+
 def _choice(*options: str) -> Check:
     """One of `options`, matched case-insensitively and stored in the spelling given here."""
 
@@ -477,9 +481,11 @@ class TensorParallelConfig(_Group):
     async_communication: bool = _option(
         False, check=_boolean, doc="Overlap the input all-gather with the matmul (nanotron-style)."
     )
-    recompute_allgather: bool = _option(
-        False, check=_boolean,
-        doc="Re-gather the input in backward instead of saving the gathered activation.",
+    recompute_allgather: bool | None = _option(
+        None, check=_optional_boolean,
+        doc="Re-gather the input in backward instead of saving the gathered activation; None "
+        "(default): when async_communication (overlapped: less memory at the same speed, "
+        "benchmarks/tp.py; in sync mode the re-gather is not hidden).",
     )  # fmt: skip
     rules: dict[str, str] = _option(
         check=_tp_rules, factory=dict,

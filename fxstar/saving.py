@@ -70,6 +70,7 @@ from torch import nn
 from fxstar.errors import CheckpointError
 from fxstar.passes.tensor_parallel import GROUP_KEY
 from fxstar.runtime import dist as tp
+from fxstar.runtime import rng_tracker
 from fxstar.weights import WeightSource, write_safetensors
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def training_state(engine: Engine) -> dict[str, Any]:
             "micro_steps": engine.step_count,
             "optimizer_steps": engine.step_count // engine.plan.optimizer.accumulation_steps,
         },
-        "rng": rng_state(),
+        "rng": {**rng_state(), **_rank_stream_state(engine)},
         "optimizer": optimizer.state_dict(),
         "optimizer_params": _optimizer_names(engine, optimizer),
     }
@@ -140,6 +141,7 @@ def restore_training_state(
     engine.step_count = int(state["step"]["micro_steps"])
     if rng:
         set_rng_state(state["rng"])
+        _set_rank_stream_state(engine, state["rng"])
 
 
 def _optimizer_names(engine: Engine, optimizer: Any) -> list[list[str]] | None:
@@ -184,6 +186,31 @@ def _remap_optimizer(engine: Engine, saved: dict[str, Any], names: list[list[str
             {**group, "params": [index[n] for n in now]} for group, now in zip(groups, current)
         ],
     }
+
+
+def _rank_stream(engine: Engine) -> Any:
+    """The tensor-parallel RNG tracker of the engine's process group, or None."""
+    group = engine.shared.get(GROUP_KEY)
+    if group is None or rng_tracker.new_stream_needed(group):
+        return None
+    return rng_tracker.stream(group)
+
+
+def _rank_stream_state(engine: Engine) -> dict[str, Any]:
+    stream = _rank_stream(engine)
+    return {} if stream is None else {"tensor_parallel": stream.state_dict()}
+
+
+def _set_rank_stream_state(engine: Engine, rng: Mapping[str, Any]) -> None:
+    stream = _rank_stream(engine)
+    if stream is not None and "tensor_parallel" in rng:
+        stream.load_state_dict(rng["tensor_parallel"])
+    elif stream is not None:
+        raise CheckpointError(
+            "the checkpoint has no tensor-parallel RNG stream (saved by an older fxstar or "
+            "without tensor parallelism): dropout on split tensors cannot resume bit for bit; "
+            "load it with rng=False to start the rank streams afresh"
+        )
 
 
 def rng_state() -> dict[str, Any]:

@@ -25,8 +25,9 @@ from fxstar.dump import note
 from fxstar.passes import Pass, register
 from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
 from fxstar.program import Program
-from fxstar.runtime import agreement
+from fxstar.runtime import agreement, rng_tracker
 from fxstar.runtime import dist as tp
+from fxstar.runtime import vocab_parallel as vp
 
 __all__ = ["GROUP_KEY", "TensorParallel", "shard_of", "unshard"]
 
@@ -120,6 +121,9 @@ class TensorParallel(Pass):
         if program.store is None:
             raise TPShardingError("tensor_parallel needs an engine's ParameterStore (compile)")
         sharding: Sharding = program.decisions.tp_sharding
+        if rng_tracker.new_stream_needed(group):  # collective: every rank, once a group
+            rng_tracker.new_stream(group)
+            weakref.finalize(program.store, rng_tracker.release, group).atexit = False
         _Rewrite(program, sharding, config, program.plan.mem_saving_comm, group).run()
         return program
 
@@ -135,7 +139,10 @@ class _Rewrite:
         self.n, self.rank = config.size, dist.get_rank()
         self.sp = config.sequence_parallel
         self.async_comm = config.async_communication
-        self.recompute = config.recompute_allgather
+        # measured (benchmarks/tp.py): overlapped with grad_input the re-gather costs no time
+        # and saves (N-1)/N of each gathered input; in sync mode it is a step of its own
+        recompute = config.recompute_allgather
+        self.recompute = config.async_communication if recompute is None else recompute
         self.mem_saving = mem_saving
         self.group = group
 
@@ -150,9 +157,12 @@ class _Rewrite:
             self.nodes[name].meta["val"] = _local_val(old_vals[name], -2, self.n)
         for site in s.sites:
             self._replace_site(site)
+        if s.vocab is not None:
+            self._vocab(s.vocab)
         self._boundaries(s.scatters, tp.scatter_to_seq, "scatter", -2)
         self._boundaries(s.gathers, tp.gather_from_seq, "gather", -2)
         self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce", None)
+        self._random_streams(s)
 
     # -- linears --------------------------------------------------------------------------------
 
@@ -211,6 +221,61 @@ class _Rewrite:
             node = self.nodes.get(placeholder) if placeholder else None
             if node is not None and not node.users:
                 self.program.remove_input(node)
+
+    # -- the vocabulary: embeddings on the head's shard, the loss on the logits' shards --------
+
+    def _vocab(self, vocab) -> None:
+        kwargs = {"mem_saving": self.mem_saving, "group": self.group}
+        head = self.nodes[vocab.head]  # the column_linear that replaced the head
+        head_weight = head.args[1]
+        slots = self.program.placeholder_kinds()
+        for name in vocab.embeddings:
+            node = self.nodes[name]
+            weight = node.args[0]
+            if weight.name == self.sharding.site(vocab.head).weight:  # tied: the head's shard
+                shard = head_weight
+            else:
+                shard = self._shard_param(weight.name, slots[weight.name].target, 0, 1)
+            padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            node.target, node.args, node.kwargs = (
+                vp.vocab_embedding,
+                (shard, node.args[1], padding_idx),
+                kwargs,
+            )
+            note(node, "tp", "vocab-parallel")
+            if not weight.users:
+                self.program.remove_input(weight)
+        loss = self.nodes[vocab.loss]
+        loss.target, loss.kwargs = vp.vocab_cross_entropy, {**loss.kwargs, **kwargs}
+        for name in vocab.returned:
+            producer = self.nodes[name]
+            output = next(u for u in producer.users if u.op == "output")
+            with self.graph.inserting_before(output):
+                gathered = self.graph.create_node(
+                    "call_function",
+                    vp.gather_from_vocab,
+                    (producer,),
+                    kwargs,
+                    name=f"gather_{name}",
+                )
+            gathered.meta["val"] = self.full_vals[name]
+            note(gathered, "tp", "gather(vocab)")
+            output.replace_input_with(producer, gathered)
+
+    # -- dropout: this rank's stream on splits, the shared one's mask sliced on sequences -----
+
+    def _random_streams(self, s: Sharding) -> None:
+        for name in s.rank_random:
+            node = self.nodes[name]
+            dropout = node.target is torch.ops.aten.dropout.default
+            node.target = rng_tracker.rank_dropout if dropout else rng_tracker.rank_attention
+            node.kwargs = {**node.kwargs, "group": self.group}
+            note(node, "rng", "rank stream")
+        for name in s.seq_random:
+            node = self.nodes[name]
+            node.target = rng_tracker.seq_dropout
+            node.kwargs = {**node.kwargs, "dim": -2, "group": self.group}
+            note(node, "rng", "sequence mask, own slice")
 
     # -- collectives at the edges of the sequence-sharded region ---------------------------------
 

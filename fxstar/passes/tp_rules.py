@@ -31,7 +31,9 @@ __all__ = [
     "Refusal",
     "Shard",
     "TPShardingError",
+    "module_path",
     "op_name",
+    "passive",
     "rule_for",
     "static_shape",
 ]
@@ -78,6 +80,22 @@ def op_name(node: fx.Node) -> str:
     if node.op == "call_function" and target in HOST_MOVES:
         return target.__name__
     return ""
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node was traced in ('h.0.attn.c_attn'); '' at the model's top."""
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def passive(node: fx.Node) -> bool:
+    """A check export inserts that reads a tensor's dtype/device only: any shard passes it."""
+    return (
+        op_name(node) == "_assert_tensor_metadata"
+        and len(node.args) == 1
+        and node.kwargs.get("size") is None
+        and node.kwargs.get("stride") is None
+    )
 
 
 def static_shape(node: Any) -> tuple[int, ...] | None:

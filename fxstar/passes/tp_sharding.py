@@ -35,10 +35,13 @@ from fxstar.passes.tp_rules import (
     Refusal,
     Shard,
     TPShardingError,
+    module_path,
     op_name,
+    passive,
     rule_for,
     static_shape,
 )
+from fxstar.passes.tp_vocab import VocabParallel, find_vocab
 from fxstar.program import Program
 
 __all__ = [
@@ -133,14 +136,13 @@ class Sharding:
     scatters: list[Edge] = field(default_factory=list)  # replicated -> slice for the consumer
     gathers: list[Edge] = field(default_factory=list)  # slices -> whole for the consumer
     grad_reduces: list[Edge] = field(default_factory=list)  # read by rank-local work: sum grads
+    vocab: VocabParallel | None = None  # the head, loss and embeddings split by vocabulary
+    vocab_off: str = ""  # why the head stays whole, when it does
+    rank_random: list[str] = field(default_factory=list)  # dropouts on splits: own stream
+    seq_random: list[str] = field(default_factory=list)  # dropouts on sequence slices
 
     def site(self, output: str) -> LinearSite:
         return next(s for s in self.sites if s.output == output)
-
-
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else ""
 
 
 def _layer_pattern(path: str) -> str:
@@ -150,16 +152,6 @@ def _layer_pattern(path: str) -> str:
 
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _passive(node: fx.Node) -> bool:
-    """A check export inserts that reads a tensor's dtype/device only: any shard passes it."""
-    return (
-        op_name(node) == "_assert_tensor_metadata"
-        and len(node.args) == 1
-        and node.kwargs.get("size") is None
-        and node.kwargs.get("stride") is None
-    )
 
 
 # -- finding the linears --------------------------------------------------------------------------
@@ -172,12 +164,14 @@ def _style(path: str, rules: dict[str, str]) -> tuple[str, str]:
     return "replicate", ""
 
 
-def _find_sites(program: Program, rules: dict[str, str], n: int) -> list[LinearSite]:
+def _find_sites(
+    program: Program, rules: dict[str, str], n: int, skip: frozenset[str] = frozenset()
+) -> list[LinearSite]:
     slots = program.placeholder_kinds()
     sites = []
     for node in program.graph_module.graph.nodes:
         op = op_name(node)
-        if op not in ("linear", "addmm"):
+        if op not in ("linear", "addmm") or node.name in skip:
             continue
         path = module_path(node)
         style, rule = _style(path, rules)
@@ -346,7 +340,7 @@ class _Carrier:
                 self.shard[node] = Shard(len(static_shape(node)) - 1, site.parts)
                 self.origin[node] = site
                 continue
-            if node.name in self.inside or _passive(node):
+            if node.name in self.inside or passive(node):
                 continue
             if any(m in self.shard for m in node.all_input_nodes):
                 self.carry(node)
@@ -455,7 +449,7 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
     for name in sharding.seq_nodes:
         node = nodes[name]
         for user in node.users:
-            if user.name in region or user.name in readers or _passive(user):
+            if user.name in region or user.name in readers or passive(user):
                 continue
             sharding.gathers.append(Edge(name, user.name))
         if name in row_outputs:
@@ -500,6 +494,52 @@ def _check_slices_meet_splits(sharding: Sharding, needs_grad: set[fx.Node]) -> N
             )
 
 
+def _dropout_p(node: fx.Node) -> float:
+    """The drop probability of a dropout or an attention that drops (0 for any other)."""
+    op = op_name(node)
+    if op == "dropout":
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return float(node.args[1]) if train else 0.0
+    if op == "scaled_dot_product_attention":
+        return float(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
+    return 0.0
+
+
+def _random_streams(program: Program, sharding: Sharding) -> None:
+    """Which random ops draw from this rank's own stream (on heads or features split across
+    ranks) and which draw the whole sequence's mask and keep their slice (sequence
+    parallel); the others draw from the stream every rank shares (runtime/rng_tracker)."""
+    seq = set(sharding.seq_nodes)
+    for node in program.graph_module.graph.nodes:
+        if _dropout_p(node) == 0.0:
+            continue
+        if node.name in sharding.sharded:
+            sharding.rank_random.append(node.name)
+        elif node.name in seq and op_name(node) == "dropout":
+            sharding.seq_random.append(node.name)
+
+
+def _add_vocab(program: Program, sharding: Sharding) -> None:
+    """The head as a column site (rule 'vocab'), after the others: the carrier has run
+    without it, and its split reaches the loss along the chain tp_vocab carried."""
+    vocab = sharding.vocab
+    slots = program.placeholder_kinds()
+    head = next(n for n in program.graph_module.graph.nodes if n.name == vocab.head)
+    x, w = head.args[0], head.args[1]
+    b = head.args[2] if len(head.args) > 2 else None
+    sharding.sites.append(LinearSite(
+        style="column", rule="vocab", module=module_path(head), input=x.name, output=head.name,
+        weight=w.name, bias=b.name if b is not None else None,
+        weight_name=slots[w.name].target, bias_name=slots[b.name].target if b else None,
+        transposed=False, nodes=(head.name,),
+    ))  # fmt: skip
+    sharding.sharded[head.name] = len(static_shape(head)) - 1
+    for name, (dim, rule) in vocab.split.items():
+        sharding.sharded[name] = dim
+        sharding.carried_by[name] = rule
+    sharding.args.update(vocab.args)
+
+
 # -- the pass -------------------------------------------------------------------------------------
 
 
@@ -523,8 +563,10 @@ class TPSharding(Pass):
             )
         n = config.size
         sharding = Sharding(size=n, sequence_parallel=config.sequence_parallel)
-        sharding.sites = _find_sites(program, dict(config.rules), n)
-        if not sharding.sites:
+        sharding.vocab, sharding.vocab_off = find_vocab(program, dict(config.rules), n)
+        head = frozenset({sharding.vocab.head} if sharding.vocab else ())
+        sharding.sites = _find_sites(program, dict(config.rules), n, skip=head)
+        if not sharding.sites and sharding.vocab is None:
             raise TPShardingError(
                 "tensor parallel found no linear to split: name them with "
                 "plan.tensor_parallel.rules (module pattern -> 'column' | 'row')"
@@ -534,10 +576,17 @@ class TPSharding(Pass):
         sharding.sharded = {node.name: s.dim for node, s in carrier.shard.items()}
         sharding.args = carrier.args
         sharding.carried_by = carrier.carried_by
+        if sharding.vocab is not None:
+            _add_vocab(program, sharding)
+        elif sharding.vocab_off:
+            program.decisions.report_lines.append(
+                f"tensor parallel: the LM head stays whole ({sharding.vocab_off})"
+            )
         sharding.grad_reduces = list(carrier.grad_reduces)
         if config.sequence_parallel:
             _sequence_region(program, sharding, set(sharding.sharded), n)
             _check_slices_meet_splits(sharding, carrier.needs_grad)
+        _random_streams(program, sharding)
         program.decisions.tp_sharding = sharding
         self._annotate(program, sharding)
         return program
@@ -547,10 +596,18 @@ class TPSharding(Pass):
         nodes = {node.name: node for node in program.graph_module.graph.nodes}
         for site in sharding.sites:
             parts = f"x{site.parts}" if site.parts > 1 else ""
-            note(nodes[site.output], "tp", site.style + parts)
+            vocab = "(vocab)" if site.rule == "vocab" else ""
+            note(nodes[site.output], "tp", site.style + parts + vocab)
         for name, dim in sharding.sharded.items():
             rule = sharding.carried_by.get(name)
             text = f"split(dim={dim}{f', {rule}' if rule else ''})"
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", text)
         for name in sharding.seq_nodes:
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", "seq")
+        for name in sharding.rank_random:
+            note(nodes[name], "rng", "rank stream")
+        for name in sharding.seq_random:
+            note(nodes[name], "rng", "sequence mask, own slice")
+        vocab = sharding.vocab
+        for name in (vocab.loss, *vocab.embeddings) if vocab else ():
+            note(nodes[name], "tp", "vocab-parallel")

@@ -283,9 +283,13 @@ class Collectives:
 
         return self._issue("reduce_scatter (as reduces)", reduces)
 
-    def all_reduce(self, x: torch.Tensor, async_op: bool = False) -> _Works:
+    def all_reduce(
+        self, x: torch.Tensor, async_op: bool = False, op: Any = dist.ReduceOp.SUM
+    ) -> _Works:
         pg = self.pg
-        return self._issue("all_reduce", lambda: [dist.all_reduce(x, group=pg, async_op=async_op)])
+        return self._issue("all_reduce", lambda: [
+            dist.all_reduce(x, op=op, group=pg, async_op=async_op)
+        ])  # fmt: skip
 
 
 def _split_seq(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:

@@ -9,15 +9,28 @@ would silently differ from what the forward computed. Eager PyTorch refuses the 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fxstar.runtime import rng_tracker
 from fxstar.runtime.ops import RUNTIME
 
 __all__ = ["run_region"]
+
+
+def _replay_rank_streams() -> tuple[Any, Any]:
+    """checkpoint's context_fn: the recompute starts the tensor-parallel RNG trackers where
+    the forward started them (torch replays the default generators only)."""
+    return contextlib.nullcontext(), rng_tracker.replaying(rng_tracker.snapshot())
+
+
+def _checkpoint(fn: Any, *inputs: Any) -> Any:
+    return checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=_replay_rank_streams)  # fmt: skip
 
 
 def run_region(region: nn.Module, *inputs: Any) -> Any:
@@ -27,7 +40,7 @@ def run_region(region: nn.Module, *inputs: Any) -> Any:
     runtime = getattr(region, RUNTIME, None)
     manager = runtime.manager if runtime is not None else None
     if manager is None:
-        return checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True)
+        return _checkpoint(region, *inputs)
     token = manager.version_token()
     calls = 0
 
@@ -44,4 +57,4 @@ def run_region(region: nn.Module, *inputs: Any) -> Any:
             )
         return region(*args)
 
-    return checkpoint(body, *inputs, use_reentrant=False, preserve_rng_state=True)
+    return _checkpoint(body, *inputs)

@@ -180,6 +180,14 @@ def test_sharding_finds_linears_fused_qkv_and_per_rank_shapes():
     assert s.args["view"][1] == [2, 16, 2, 8]  # 4 heads -> 2 per rank
     assert s.args["view_3"][1] == [2, 16, 16]
     assert {e.producer for e in s.scatters} == {"embedding", "embedding_1"}
+    assert s.gathers == []  # the vocab-parallel head gathers the sequence itself
+    assert (s.vocab.head, s.vocab.loss, s.vocab.embeddings) == (
+        "linear_8", "cross_entropy_loss", ["embedding"])  # fmt: skip
+    assert s.sites[-1].rule == "vocab" and s.args["view_8"][1] == [-1, VOCAB // 2]
+    replicated = Plan(tensor_parallel={"size": 2, "sequence_parallel": True,
+                                       "rules": {"head": "replicate"}})  # fmt: skip
+    s = _analyse(gpt(), args, kwargs, replicated).decisions.tp_sharding
+    assert s.vocab is None and "'head': 'replicate'" in s.vocab_off
     assert [(e.producer, e.consumer) for e in s.gathers] == [("layer_norm_4", "linear_8")]
     assert "p_h_0_ln_1_weight" in {e.producer for e in s.grad_reduces}
     text = fxstar.dump(program)
@@ -207,8 +215,12 @@ def test_a_model_that_cannot_be_split_names_the_node_and_the_rule():
     plan = Plan(tensor_parallel={"size": 2, "rules": {"h.*.mlp.c_proj": "replicate"}})
     with pytest.raises(TPShardingError, match=r"(?s)node linear_3 .*'h\.\*\.mlp\.c_fc': 'repl"):
         _analyse(gpt(), args, kwargs, plan)
-    plan = Plan(tensor_parallel={"size": 2, "rules": {"head": "column"}})  # tied to wte
-    with pytest.raises(TPShardingError, match=r"also read by \['embedding'\].*'head': 'repl"):
+    # the head demanded vocab-parallel where it cannot be: named, with the rule that keeps it
+    plan = Plan(tensor_parallel={"size": 2, "rules": {"head": "column"}}, cpu_embedding=True,
+                device_memory=10**6)  # fmt: skip
+    with pytest.raises(
+        TPShardingError, match=r"(?s)head linear_8 at head .*cpu_embedding.*'head': 'repl"
+    ):
         _analyse(tiny_gpt(dropout=0.0), args, kwargs, plan)
     plan = Plan(tensor_parallel={"size": 2, "rules": {"h.*.attn.c_attn": "replicate"}})
     with pytest.raises(TPShardingError, match=r"row-parallel linear at h.0.attn.c_proj needs"):
@@ -562,7 +574,9 @@ def _saved_by_columns(world: int, recompute: bool) -> dict[str, int]:
     return {
         node.name: node.meta[MEMORY].saved_bytes
         for node in program.graph_module.graph.nodes
-        if node.op == "call_function" and node.target is tp.column_linear
+        if node.op == "call_function"
+        and node.target is tp.column_linear
+        and node.name != "column_head"  # the vocab-parallel head: its input is not [.., 32]
     }
 
 

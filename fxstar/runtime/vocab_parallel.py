@@ -1,0 +1,144 @@
+"""Vocab-parallel embedding, logits gather and cross-entropy (Megatron's), for graph nodes.
+
+Each rank holds rows [rank * V/N, (rank + 1) * V/N) of the vocabulary's matrix (the embedding
+and the LM head, tied or not). Why: for a large vocabulary the head's logits are the largest
+activation of a step, and replicated they cost every rank the full [tokens, V]. Here:
+
+- the embedding looks up the ids in its own rows, zeroes the others' and sums the ranks' rows
+  with one all-reduce (backward: each rank's rows get the gradient where their ids were);
+- the head is an ordinary column-parallel linear (`dist.column_linear`): logits [.., V/N];
+- the cross-entropy reads the sharded logits: the max, the target's logit and the sum of the
+  exponentials are all-reduced (three [tokens] vectors), so full logits never exist. Backward
+  needs no collective: each rank's logit gradient is its softmax slice minus its part of the
+  one-hot target.
+
+The first rank's rows start at 0: a rank's offset is `rank * local rows`, read at run time,
+so the graph is the same on every rank (the ranks compare graphs at compile).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fxstar.runtime.dist import Collectives, _AllReduceForward
+
+__all__ = ["gather_from_vocab", "vocab_cross_entropy", "vocab_embedding"]
+
+_REDUCTIONS = ("none", "mean", "sum")  # aten's enum: 0, 1, 2
+
+
+def _rows(comm: Collectives, local: int) -> tuple[int, int]:
+    start = comm.rank * local
+    return start, start + local
+
+
+def vocab_embedding(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    padding_idx: int = -1,
+    *,
+    mem_saving: bool = False,
+    group: str | None = None,
+) -> torch.Tensor:
+    """aten.embedding on this rank's rows of the vocabulary, summed over ranks (the argument
+    order is aten's). An id outside the rows looks up row 0 and is zeroed; `padding_idx`
+    (the full vocabulary's) keeps its meaning on the rank that holds it."""
+    comm = Collectives(mem_saving, group, "vocab_embedding")
+    start, end = _rows(comm, weight.shape[0])
+    outside = (ids < start) | (ids >= end)
+    local = (ids - start).masked_fill(outside, 0)
+    pad = padding_idx - start if start <= padding_idx < end else -1
+    rows = torch.nn.functional.embedding(local, weight, padding_idx=pad if pad >= 0 else None)
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+    return _AllReduceForward.apply(rows, comm)
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, comm):
+        start, end = _rows(comm, logits.shape[-1])
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16: in fp32
+        top = x.amax(-1)
+        comm.all_reduce(top, op=dist.ReduceOp.MAX).wait()
+        x = x - top.unsqueeze(-1)
+        valid = target != ignore_index
+        mine = (target >= start) & (target < end) & valid
+        local = (target - start).masked_fill(~mine, 0)
+        picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = x.exp_()
+        total = exp.sum(-1)
+        both = torch.stack([picked, total])  # one all-reduce for both vectors
+        comm.all_reduce(both).wait()
+        picked, total = both[0], both[1]
+        loss = (total.log() - picked).masked_fill(~valid, 0.0)
+        exp.div_(total.unsqueeze(-1))  # the softmax slice, kept for backward
+        count = valid.sum()
+        ctx.save_for_backward(exp, local, mine, valid, count)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        if reduction == "mean":
+            loss = loss.sum() / count
+        elif reduction == "sum":
+            loss = loss.sum()
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, valid, count = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local] -= mine.to(g.dtype)
+        g.mul_(valid.unsqueeze(-1))
+        grad = grad.to(g.dtype)
+        if ctx.reduction == "none":
+            g.mul_(grad.unsqueeze(-1))
+        else:
+            g.mul_(grad / count if ctx.reduction == "mean" else grad)
+        return g.to(ctx.dtype), None, None, None, None
+
+
+def vocab_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: None = None,
+    reduction: int = 1,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    *,
+    mem_saving: bool = False,
+    group: str | None = None,
+) -> torch.Tensor:
+    """aten.cross_entropy_loss (its argument order) on logits [tokens, V/N] holding this
+    rank's classes; the same value on every rank. Class weights and label smoothing are not
+    supported (tp_sharding keeps such a head whole)."""
+    if weight is not None or label_smoothing:
+        raise NotImplementedError("vocab_cross_entropy: class weights or label smoothing")
+    if logits.dim() != 2 or target.dim() != 1:
+        raise ValueError(
+            f"vocab_cross_entropy takes logits [tokens, classes] and targets [tokens], got "
+            f"{list(logits.shape)} and {list(target.shape)}"
+        )
+    comm = Collectives(mem_saving, group, "vocab_cross_entropy")
+    return _VocabCrossEntropy.apply(logits, target, ignore_index, _REDUCTIONS[reduction], comm)
+
+
+class _GatherFromVocab(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        out = x.new_empty((comm.world, *x.shape))
+        comm.all_gather(out, x.contiguous()).wait()
+        return torch.cat(out.unbind(0), -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm = ctx.comm
+        return grad.chunk(comm.world, -1)[comm.rank].contiguous(), None
+
+
+def gather_from_vocab(
+    x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None
+) -> torch.Tensor:
+    """Vocab-sharded logits -> the full logits, for a model that returns them (what reads
+    them is replicated, so backward keeps this rank's slice of the gradient)."""
+    return _GatherFromVocab.apply(x, Collectives(mem_saving, group, "gather_from_vocab"))
