@@ -75,9 +75,12 @@ def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
     else:
         precision = "bf16" if "bf16" in run else "fp32"
         plan = fxstar.Plan(device_memory=args.device_memory, precision=precision,
-                           optimizer={"lr": 1e-4})  # fmt: skip
+                           optimizer={"lr": 1e-4}, host_memory=args.host_memory)  # fmt: skip
         source = "init" if "init" in run else weights if "meta" in run else None
-        engine = fxstar.compile(model, plan, (idx, targets), weights=source)
+        try:
+            engine = fxstar.compile(model, plan, (idx, targets), weights=source)
+        except fxstar.HostMemoryError as error:  # part 3: it does not fit, said at compile
+            return {"run": run, "params": params, "refused": str(error)}
         compile_peak = peak_rss()
     compile_seconds = time.perf_counter() - start
     for step in range(args.steps):
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--largest", action="store_true", help="part 3 (about half an hour)")
     parser.add_argument("--reserve", type=float, default=2.0,
                         help="GiB of host memory part 3 leaves to the system")  # fmt: skip
+    parser.add_argument("--host-memory", help="plan.host_memory of fxstar's rows")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.child:
@@ -277,7 +281,8 @@ def child(what: str, argv: list[str] | None, weights: str, *extra: str,
             return None
         if process.returncode != 0:
             raise SystemExit(f"{what} failed:\n{err.read()[-3000:]}")
-        return json.loads(out.read().strip().splitlines()[-1])
+        row = json.loads(out.read().strip().splitlines()[-1])
+        return None if "refused" in row else row
 
 
 def _status_bytes(pid: int, field: str) -> int:
@@ -304,16 +309,29 @@ def largest(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     with open("/proc/meminfo") as file:
         total = int(file.readline().split()[1]) * 1024
     limit = total - int(args.reserve * 2**30)
-    shape = ["--width", str(LARGEST_WIDTH), "--heads", str(LARGEST_WIDTH // 128),
-             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-             "--device-memory", LARGEST_ARENA, "--steps", "2"]  # fmt: skip
+    shape = [
+        "--width",
+        str(LARGEST_WIDTH),
+        "--heads",
+        str(LARGEST_WIDTH // 128),
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--device-memory",
+        LARGEST_ARENA,
+        "--steps",
+        "2",
+        "--host-memory",
+        str(limit),
+    ]  # fxstar refuses at compile what would not fit
     results = []
     for run in LARGEST:
 
         def at(layers: int, limit: int | None = limit, run: str = run) -> dict | None:
             row = child(run, [*argv, *shape, "--layers", str(layers)], "", rss_limit=limit)
             print(f"  {run}: {layers} layers -> "
-                  + ("over the limit" if row is None else f"peak {row['peak'] / 2**30:.2f} GiB"),
+                  + ("does not fit" if row is None else f"peak {row['peak'] / 2**30:.2f} GiB"),
                   flush=True)  # fmt: skip
             return row
 

@@ -22,6 +22,7 @@ from fxstar.errors import (
     UsageError,
     VerifyError,
 )
+from fxstar.placement import HostMemoryError
 from fxstar.plan import (
     LossScaleConfig,
     OptimizerConfig,
@@ -31,6 +32,7 @@ from fxstar.plan import (
     TiledLinearConfig,
 )
 from fxstar.program import Program, Stage
+from fxstar.runtime.grad_copies import GradientConsumedError
 from fxstar.saving import Checkpoint, CheckpointError, load
 
 __version__ = "0.1.0"
@@ -42,6 +44,8 @@ __all__ = [
     "Engine",
     "EngineStateError",
     "FxstarError",
+    "GradientConsumedError",
+    "HostMemoryError",
     "IRError",
     "LossScaleConfig",
     "OptimizerConfig",

@@ -293,6 +293,7 @@ class Engine(nn.Module):
         masters = dict(self.store.tensors())
         for name, p in self.model.named_parameters(remove_duplicate=False):
             masters.update(self.store.cut(name, p.detach()))
+        placement.check_host_budget(self.plan, program.decisions.chunk_plan)
         self.chunks = self._chunk_manager(program, self.store.tensors(), masters)
         slots = self.chunks.layout.slots()
         own = dict(self.model.named_parameters(remove_duplicate=False))

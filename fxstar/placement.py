@@ -23,13 +23,75 @@ import torch
 from torch import nn
 
 from fxstar.capture import is_meta
-from fxstar.errors import UsageError
+from fxstar.errors import FxstarError, UsageError
 from fxstar.plan import resolve_device
+from fxstar.runtime.layout import ChunkPlan
+from fxstar.sizes import format_size
 from fxstar.weights import WeightSource, initialize, is_transformers, materialize, tied_names
 
-__all__ = ["Weights", "check_plan", "fill", "give_buffers_storage", "is_meta", "place"]
+__all__ = [
+    "HostMemoryError",
+    "Weights",
+    "check_host_budget",
+    "check_plan",
+    "fill",
+    "give_buffers_storage",
+    "host_budget",
+    "is_meta",
+    "place",
+]
 
 Weights = str | os.PathLike | Callable[[nn.Module], Any] | None
+
+
+class HostMemoryError(FxstarError, MemoryError):
+    """The chunk engine's host allocations would not fit the host budget."""
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_budget(plan: Any) -> tuple[int, str]:
+    """The host budget and where it comes from: plan.host_memory, else overall_cpu_mem_ratio
+    of the machine's memory shared by the processes of this node (LOCAL_WORLD_SIZE, as
+    torchrun sets it), as PatrickStar budgets its CPU tier."""
+    if plan.host_memory is not None:
+        return int(plan.host_memory), "plan.host_memory"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ratio, total = plan.overall_cpu_mem_ratio, physical_memory()
+    where = f"plan.overall_cpu_mem_ratio {ratio:g} of {format_size(total)}"
+    if local > 1:
+        where += f" / {local} processes"
+    return int(ratio * total / max(local, 1)), where
+
+
+def check_host_budget(plan: Any, chunk_plan: ChunkPlan) -> int:
+    """Before the chunk homes are allocated: what they, their optimizer state and (on a
+    CPU-only machine) the arena take on the host must fit the host budget: a model too large
+    for the host is a clear error at compile, not the kernel's OOM killer mid-step. Returns
+    the bytes the chunk engine will take."""
+    layout = chunk_plan.layout
+    low_precision = layout.dtype != torch.float32
+    need = layout.host_bytes(
+        masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
+        moments=plan.optimizer.type in ("adam", "adamw"),
+    )  # fmt: skip
+    arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
+    budget, source = host_budget(plan)
+    if need + arena > budget:
+        params = sum(c.used for c in layout.chunks)
+        raise HostMemoryError(
+            f"the chunk engine needs {format_size(need + arena)} of host memory "
+            f"({format_size(need)} for {params:,} parameters' chunk homes and optimizer state"
+            + (f", {format_size(arena)} for the arena on the host" if arena else "")
+            + f"), over the host budget of {format_size(budget)} ({source}); activations "
+            "come on top. Raise plan.host_memory or overall_cpu_mem_ratio if the machine has "
+            "the room, train in bf16 (14 bytes per parameter instead of 16), or shard the "
+            "model over more processes"
+        )
+    return need + arena
 
 
 def check_plan(model: nn.Module, plan: Any, weights: Weights) -> None:

@@ -529,7 +529,8 @@ class Plan:
     )  # fmt: skip
     host_memory: Size | None = _option(
         None, check=_size, feature=_CHUNKS,
-        doc="Budget of the host (CPU) tier for chunks and optimizer state; None = no budget.",
+        doc="Budget of the host (CPU) tier for chunk homes, optimizer state and (CPU-only) "
+        "the arena, checked at compile; None = overall_cpu_mem_ratio of the machine's memory.",
     )  # fmt: skip
     chunk_size: int | str = _option(
         "auto", check=_chunk_size, feature=_CHUNKS,
@@ -589,11 +590,12 @@ class Plan:
     )  # fmt: skip
     overall_gpu_mem_ratio: float = _option(
         0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,
-        doc="Share of device_memory the tracer treats as usable at all.",
+        doc="device_memory='auto' on a CUDA device: this share of the device's capacity.",
     )  # fmt: skip
     overall_cpu_mem_ratio: float = _option(
         0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,
-        doc="Share of host_memory the tracer treats as usable at all.",
+        doc="Without host_memory, the host budget is this share of the machine's memory, "
+        "divided among the node's processes (LOCAL_WORLD_SIZE).",
     )  # fmt: skip
     margin_use_ratio: float = _option(
         0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,

@@ -35,7 +35,8 @@ LAYOUT_KEY = "chunk_layout"  # Program.shared key: one layout for every capture 
 BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='auto' settled on
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
-                 "async_mem_monitor", "overlap_grad_copies", "grads_in_host")  # fmt: skip
+                 "async_mem_monitor", "overlap_grad_copies", "grads_in_host", "host_memory",
+                 "overall_cpu_mem_ratio", "overall_gpu_mem_ratio")  # fmt: skip
 
 
 class ChunkLayoutError(FxstarError, ValueError):
@@ -273,8 +274,7 @@ def smallest_need(needs: list[tuple[ChunkLayout, BudgetNeed]]) -> BudgetNeed:
 def auto_budget(program: Program, smallest: BudgetNeed) -> int:
     """device_memory='auto': a CUDA device's capacity times overall_gpu_mem_ratio; on a
     CPU-only machine the smallest budget the plan works with."""
-    name = chunked_params(program)[0].name
-    device = program.model_tensors()[name].device
+    device = program.compute_device()  # the plan's, not the (host or meta) model's
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * program.plan.overall_gpu_mem_ratio)

@@ -35,7 +35,14 @@ from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.grad_copies import GradAccumulator
 from fxstar.runtime.host import host_empty
-from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan, Observed, ParamSlot
+from fxstar.runtime.layout import (
+    AccessPlan,
+    ChunkLayout,
+    ChunkPlan,
+    Observed,
+    ParamSlot,
+    host_parts,
+)
 from fxstar.runtime.monitor import MemoryMonitor
 from fxstar.runtime.reservations import Reservations, ReservedBlocks
 from fxstar.runtime.residency import Chunk, ChunkBudgetError, ChunkState, Residency
@@ -62,19 +69,6 @@ def _forwarded(part: str, name: str, doc: str | None = None) -> property:
         lambda self, value: setattr(getattr(self, part), name, value),
         doc=doc,
     )
-
-
-HOST_ALIGNMENT = 64  # bytes: every chunk's host part starts on a cache line
-
-
-def _packed(layout: ChunkLayout, lengths: list[int]) -> list[slice]:
-    """Consecutive element ranges of these lengths in one host buffer, each start aligned."""
-    align = max(HOST_ALIGNMENT // layout.dtype.itemsize, 1)
-    parts, at = [], 0
-    for length in lengths:
-        parts.append(slice(at, at + length))
-        at += -(-length // align) * align
-    return parts
 
 
 def _weak_call(method: Callable[[], T]) -> Callable[[], T | None]:
@@ -187,7 +181,7 @@ class ChunkManager:
         On the host a chunk takes what its parameters reach (aligned), not its padding: only
         `used` elements ever move, and a layout's padding is often a fifth of the chunks."""
         lay = self.layout
-        parts = _packed(lay, [spec.used for spec in lay.chunks])
+        parts = host_parts(lay.dtype, [spec.used for spec in lay.chunks])
         size = parts[-1].stop if parts else 0
         host = host_empty(size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
         master = None
@@ -222,7 +216,7 @@ class ChunkManager:
         """Gradient buffers of their own for these chunks, packed in one host allocation."""
         lay = self.layout
         used = [lay.chunks[i].used for i in chunk_ids]
-        parts = _packed(lay, used)
+        parts = host_parts(lay.dtype, used)
         size = parts[-1].stop if parts else 0
         grads = host_empty(size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
         return {i: grads[part] for i, part in zip(chunk_ids, parts, strict=True)}

@@ -18,6 +18,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+HOST_ALIGNMENT = 64  # bytes: every chunk's host part starts on a cache line
+
+
+def host_parts(dtype: torch.dtype, lengths: list[int]) -> list[slice]:
+    """Consecutive element ranges of these lengths in one host buffer, each start aligned: on
+    the host a chunk takes what its parameters reach, not its padding (only `used` elements
+    ever move, and a layout's padding is often a fifth of the chunks)."""
+    align = max(HOST_ALIGNMENT // dtype.itemsize, 1)
+    parts, at = [], 0
+    for length in lengths:
+        parts.append(slice(at, at + length))
+        at += -(-length // align) * align
+    return parts
+
+
+def host_elements(dtype: torch.dtype, lengths: list[int]) -> int:
+    """Elements of the one host buffer `host_parts` packs these lengths in."""
+    parts = host_parts(dtype, lengths)
+    return parts[-1].stop if parts else 0
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -61,6 +81,20 @@ class ChunkLayout:
     @property
     def wasted_bytes(self) -> int:
         return len(self.chunks) * self.chunk_bytes - self.param_bytes
+
+    def host_bytes(self, *, masters: bool, own_grads: bool, moments: bool) -> int:
+        """What the chunk engine allocates on the host for this layout: every chunk's payload
+        (packed, see host_parts), fp32 masters (bf16/fp16), gradient buffers of their own
+        (fp32; bf16/fp16 with grads_in_host=False) and two fp32 Adam moments per trainable
+        element."""
+        every = host_elements(self.dtype, [c.used for c in self.chunks])
+        trainable = [c.used for c in self.chunks if c.trainable]
+        total = every * self.dtype.itemsize + (every * 4 if masters else 0)
+        if own_grads:
+            total += host_elements(self.dtype, trainable) * self.dtype.itemsize
+        if moments:
+            total += sum(2 * n * 4 for n in trainable)
+        return total
 
     def slots(self) -> dict[str, ParamSlot]:
         """Every alias -> its slot."""

@@ -1,0 +1,74 @@
+"""The host budget: what the chunk engine allocates on the host is known before it allocates,
+and a model that would not fit is a clear error at compile (host_memory, or
+overall_cpu_mem_ratio of the machine's memory shared by the node's processes)."""
+
+import pytest
+import torch
+from conftest import example, tiny_gpt, tokens
+
+from fxstar import HostMemoryError, placement
+from fxstar.engine import compile
+from fxstar.plan import Plan
+
+OPT = {"type": "adamw", "lr": 1e-3}
+
+
+def engine_host_bytes(engine) -> int:
+    """What the engine's chunk manager and optimizer really hold on the host."""
+    manager = engine.chunks
+    storages = {}
+    for chunk in manager.chunks:
+        for t in (chunk.host, chunk.master, chunk.host_grad):
+            if t is not None and t.device.type == "cpu":
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for state in engine.optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            storage = state[key].untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) + manager.planned_capacity  # the arena rounds it down
+
+
+@pytest.mark.parametrize("precision,grads_in_host", [("fp32", True), ("bf16", True),
+                                                     ("bf16", False)])  # fmt: skip
+def test_the_need_is_what_the_engine_allocates(precision, grads_in_host):
+    plan = Plan(precision=precision, device_memory="auto", optimizer=OPT,
+                grads_in_host=grads_in_host, hybrid_adam=False)  # fmt: skip
+    engine = compile(tiny_gpt(), plan, **example("gpt", *tokens()))
+    need = placement.check_host_budget(plan, engine.program.decisions.chunk_plan)
+    assert need == engine_host_bytes(engine)
+    params = sum(p.numel() for p in engine.parameters())
+    per_param = {"fp32": 16, "bf16": 14 if grads_in_host else 16}[precision]
+    arena = engine.chunks.planned_capacity
+    assert per_param * params <= need - arena <= per_param * params * 1.05  # alignment only
+
+
+def test_a_model_over_host_memory_is_refused_at_compile():
+    plan = Plan(device_memory="auto", optimizer=OPT, host_memory="256KiB")
+    with pytest.raises(
+        HostMemoryError, match=r"over the host budget of 256KiB \(plan.host_memory\)"
+    ):
+        compile(tiny_gpt(), plan, **example("gpt", *tokens()))
+
+
+def test_without_host_memory_the_ratio_of_the_machine_shared_by_the_node(monkeypatch):
+    monkeypatch.setattr(placement, "physical_memory", lambda: 2**20)
+    plan = Plan(device_memory="auto", optimizer=OPT, overall_cpu_mem_ratio=0.5)
+    budget, source = placement.host_budget(plan)
+    assert budget == 2**19 and "overall_cpu_mem_ratio 0.5 of 1MiB" in source
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    budget, source = placement.host_budget(plan)
+    assert budget == 2**17 and "/ 4 processes" in source
+    with pytest.raises(HostMemoryError, match="overall_cpu_mem_ratio"):
+        compile(tiny_gpt(), plan, **example("gpt", *tokens()))
+
+
+def test_a_fitting_model_compiles_under_its_exact_need():
+    plan = Plan(device_memory="auto", optimizer=OPT, hybrid_adam=False)
+    engine = compile(tiny_gpt(), plan, **example("gpt", *tokens()))
+    need = placement.check_host_budget(plan, engine.program.decisions.chunk_plan)
+    exact = Plan(device_memory="auto", optimizer=OPT, hybrid_adam=False, host_memory=need)
+    torch.manual_seed(0)
+    compile(tiny_gpt(), exact, **example("gpt", *tokens()))(*tokens()).backward()
+    with pytest.raises(HostMemoryError):
+        too_small = Plan(device_memory="auto", optimizer=OPT, host_memory=need - 1)
+        compile(tiny_gpt(), too_small, **example("gpt", *tokens()))
