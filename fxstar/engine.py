@@ -40,6 +40,7 @@ from fxstar.program import EXPORT, Program
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
 from fxstar.runtime.chunks import ChunkManager
+from fxstar.runtime.host import give_back_freed
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
 from fxstar.sizes import format_size
@@ -241,6 +242,8 @@ class Engine(nn.Module):
         self._fill_weights()
         for runtime in ops.runtimes(program.graph_module):
             runtime.manager = self.chunks  # the graph calls this engine's manager, no other
+        if self.chunks is not None:  # what the homes replaced goes back to the system
+            give_back_freed()
         self._fed = [
             (name, module, attr, module._parameters[attr])
             for name, module, attr in _parameter_slots(self.model)

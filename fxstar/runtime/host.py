@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
 import torch
 
 from fxstar import _C
@@ -27,3 +31,27 @@ def host_empty(
         tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return tensor.zero_() if zero else tensor
     return torch.from_dlpack(_C.HostBuffer(nbytes, alignment, zero))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim  # noqa: B018 - glibc only
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def give_back_freed() -> bool:
+    """Return the heap memory freed so far to the operating system (glibc's malloc_trim).
+    Why: the tensors compile lets go of (a host model's own parameters once the chunk homes
+    hold them, tracing's temporaries) are mostly below glibc's mmap threshold, so their pages
+    stay resident as free heap until something reuses them, and they count against the host
+    all the same. False where the C library has no malloc_trim."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
