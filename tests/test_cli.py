@@ -126,7 +126,9 @@ def test_train_timeline_needs_the_chunk_engine(tmp_path, capsys):
 def test_an_arena_the_machine_cannot_hold_is_a_one_line_error(capsys):
     assert main(["train", "--steps", "1", *SMALL, "--device-memory", "1000TB"]) == 2
     err = capsys.readouterr().err
-    assert "MemoryError: cannot allocate an arena" in err and "Traceback" not in err
+    # the host budget refuses it at compile, before anything is allocated
+    assert "HostMemoryError: the chunk engine needs" in err and "host budget" in err
+    assert "Traceback" not in err
 
 
 def test_plan_does_not_list_its_own_pass_as_the_users(capsys):

@@ -366,9 +366,8 @@ def test_device_memory_auto_is_the_smallest_that_works():
 
 def test_device_memory_auto_on_cuda_is_its_capacity_times_overall_gpu_mem_ratio(monkeypatch):
     program = prepared("gpt", Plan(device_memory="auto"))
-    cuda = SimpleNamespace(device=torch.device("cuda", 0))
-    monkeypatch.setattr(program, "model_tensors", lambda: dict.fromkeys(
-        (p.name for p in program.params), cuda))  # fmt: skip
+    # the plan's compute device counts, not where the (host or meta) model lives
+    monkeypatch.setattr(program, "compute_device", lambda: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=10 * 2**20))  # fmt: skip
     ChunkLayoutPass()(program)
