@@ -114,8 +114,9 @@ class SavedBytes:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.parameters | self.seen and t.device.type != "meta":
-            self.seen.add(storage.data_ptr())
+        ptr = storage.data_ptr()
+        if ptr not in self.parameters and ptr not in self.seen and t.device.type != "meta":
+            self.seen.add(ptr)
             self.peak += storage.nbytes()
         return t
 

@@ -238,11 +238,12 @@ class Engine(nn.Module):
             check.baseline()
             check(_CaptureCheck(), program)
         program = self.pass_manager.run(program, check=check)
+        first_chunks = self.chunks is None
         self._setup_chunks(program)
         self._fill_weights()
         for runtime in ops.runtimes(program.graph_module):
             runtime.manager = self.chunks  # the graph calls this engine's manager, no other
-        if self.chunks is not None:  # what the homes replaced goes back to the system
+        if first_chunks and self.chunks is not None:  # what the homes replaced, to the system
             give_back_freed()
         self._fed = [
             (name, module, attr, module._parameters[attr])

@@ -98,11 +98,15 @@ class Chunk:
         if self.master is None or self.fixed:  # a fixed chunk's copy is on the compute tier
             return
         if self.grad_slots:
-            self.round_into(self.host, [s for s in self.slots if s.name not in self.grad_slots])
+            self.round_into(self.host, self.slots_holding_grads(False))
         else:
             self.host[: self.used].copy_(self.master[: self.used])
         self.synced_versions = tuple(stable[s.name]._version for s in self.slots)
         self.host_version += 1
+
+    def slots_holding_grads(self, holding: bool = True) -> list[ParamSlot]:
+        """The slots whose host room holds a gradient now (or, `holding=False`, the others)."""
+        return [s for s in self.slots if (s.name in self.grad_slots) == holding]
 
     def round_into(self, payload: torch.Tensor, slots: Sequence[ParamSlot]) -> None:
         """These slots' parameters, rounded from their fp32 masters, into a payload laid out
@@ -115,7 +119,7 @@ class Chunk:
         """Every slot whose host room holds a gradient gets its parameters back (the gradient
         was consumed or is dropped)."""
         if self.grad_slots:
-            self.round_into(self.host, [s for s in self.slots if s.name in self.grad_slots])
+            self.round_into(self.host, self.slots_holding_grads())
             self.grad_slots.clear()
 
 
@@ -325,7 +329,7 @@ class Residency:
         payload = self.view(chunk, 0, (chunk.used,))
         self.copy(payload, chunk.host[: chunk.used], to_host=False)
         if chunk.grad_slots:  # their host room holds gradients: the parameters from masters
-            chunk.round_into(payload, [s for s in chunk.slots if s.name in chunk.grad_slots])
+            chunk.round_into(payload, chunk.slots_holding_grads())
         chunk.loaded_versions = versions
         chunk.move(state)
         self.stats.loads += 1
