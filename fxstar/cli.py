@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 
@@ -117,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from fxstar.passes.chunk_layout import uses_chunks
-    from fxstar.train import TrainConfig, train, train_target, write_json
+    from fxstar.train import TrainConfig, res_check_gpt, train, train_target, write_json
 
     # everything checkable is checked before training: a mistake found after it loses the run
     for flag, path in (("--timeline", args.timeline), ("--json", args.json)):
@@ -126,6 +127,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.timeline is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--timeline: needs matplotlib (pip install fxstar[viz])")
     target = None
+    if args.target is not None and args.res_check:
+        raise UsageError("--res-check: runs on the reference GPT; leave TARGET out")
     if args.target is not None:
         from fxstar.targets import load_target
 
@@ -162,6 +165,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         data=args.data,
         timeline=args.timeline,
     )
+    if args.res_check:
+        from fxstar.dist_launch import init_from_env
+
+        init_from_env()
+        check = res_check_gpt(config, plan)
+        if args.json and check.serial is not None:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(dataclasses.asdict(check), f, indent=2)
+            print(f"wrote {args.json}")
+        return
     result = train(config, plan, progress=not args.no_progress)
     if args.json:
         write_json(args.json, config, plan, result)
@@ -260,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="TEXT_FILE", help="train on this text instead")
     p.add_argument("--json", metavar="PATH", help="write losses and the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--res-check",
+        action="store_true",
+        help="under torchrun (2+ ranks): train the GPT data parallel and in one "
+        "process on the same batches (dropout off); print both losses per step",
+    )
     p.set_defaults(func=cmd_train)
     return parser
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn"]
+__all__ = ["init_from_env", "spawn"]
 
 
 def _entry(rank: int, fn: Callable, world_size: int, tmp: str, backend: str, threads: int,
@@ -56,3 +56,12 @@ def spawn(
             torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
             for r in range(world_size)
         ]
+
+
+def init_from_env() -> None:
+    """Join the process group `torchrun` describes (RANK, WORLD_SIZE, MASTER_ADDR in the
+    environment): NCCL where there is a GPU, gloo elsewhere. Nothing to do when a group exists
+    already or the process was not launched by torchrun."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

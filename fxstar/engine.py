@@ -28,8 +28,9 @@ from torch import nn
 
 from fxstar import placement
 from fxstar.capture import capture
-from fxstar.errors import EngineStateError, UsageError
+from fxstar.errors import EngineStateError, OptionNotImplementedError, UsageError
 from fxstar.estimate import Estimate, estimate
+from fxstar.mesh import data_parallel_size
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
@@ -40,6 +41,7 @@ from fxstar.program import EXPORT, Program
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
 from fxstar.runtime.chunks import ChunkManager
+from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.host import give_back_freed
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
@@ -53,12 +55,16 @@ REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan
 # the plan options the engine itself implements (the passes declare theirs): the optimizer,
 # verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
 ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed", "device",
-                  "precision", "loss_scale", "hybrid_adam", "margin_use_ratio")  # fmt: skip
+                  "precision", "loss_scale", "hybrid_adam", "margin_use_ratio",
+                  "data_parallel")  # fmt: skip
 
 
 def implemented_options() -> set[str]:
     """Every plan option with a feature behind it: the engine's and every registered pass's."""
     return set(ENGINE_OPTIONS) | pass_options()
+
+
+DP_GROUP = "data_parallel_group"  # Program.shared key: the data-parallel process group
 
 
 class _CaptureCheck:
@@ -97,6 +103,8 @@ class Engine(nn.Module):
                 "engine.load)"
             )
         self._weights_line: str | None = None
+        # under torchrun: the replicas this process is one of (runtime/data_parallel.py)
+        self.data_parallel_size = data_parallel_size(plan)
         self.device = placement.place(model, plan)  # the compute device (None: the model's)
         self.dynamic_shapes = dynamic_shapes
         self.method = method
@@ -138,6 +146,9 @@ class Engine(nn.Module):
         args, kwargs = self._compute_inputs(args, kwargs)
         self._check_model()
         program = self._program_for(args, kwargs)
+        groups = self.chunks.data_parallel if self.chunks is not None else None
+        if groups is not None and torch.is_grad_enabled():  # DDP's broadcast_buffers
+            groups.broadcast(list(self.traced.buffers()), "the buffers")
         if self.chunks is None or program.decisions.chunk_plan is None:
             output = program.run(args, kwargs)
         else:
@@ -243,8 +254,10 @@ class Engine(nn.Module):
         self._fill_weights()
         for runtime in ops.runtimes(program.graph_module):
             runtime.manager = self.chunks  # the graph calls this engine's manager, no other
-        if first_chunks and self.chunks is not None:  # what the homes replaced, to the system
-            give_back_freed()
+        if first_chunks and self.chunks is not None:
+            if self.chunks.data_parallel is not None:  # every replica starts as rank 0's
+                self.chunks.data_parallel.start_alike(self.chunks)
+            give_back_freed()  # what the homes replaced, to the system
         self._fed = [
             (name, module, attr, module._parameters[attr])
             for name, module, attr in _parameter_slots(self.model)
@@ -273,7 +286,15 @@ class Engine(nn.Module):
     def _agree_ranks(self, program: Program) -> None:
         """Tensor parallel: before any pass, while nothing can have failed on one rank only,
         the ranks agree on the plan, the graph and (first capture) the full parameters; every
-        rank raises the same error otherwise (runtime/agreement.py)."""
+        rank raises the same error otherwise (runtime/agreement.py). Data parallel: on the plan
+        and the graph (the replicas' parameters are rank 0's, broadcast once the chunks hold
+        them)."""
+        if self.data_parallel_size > 1:
+            if DP_GROUP not in self.shared:
+                group = self.shared[DP_GROUP] = tp.new_group(self.plan.dist_timeout)
+                weakref.finalize(self, tp.release_group, group).atexit = False
+            agreement.agree(program, self.shared[DP_GROUP], tensors=False)
+            return
         config = self.plan.tensor_parallel
         if config is None or config.size < 2:
             return
@@ -338,11 +359,16 @@ class Engine(nn.Module):
         masters: Mapping[str, torch.Tensor] | None = None,
     ) -> ChunkManager:
         """The manager the program's ChunkPlan decides, with the plan's run-time knobs."""
+        layout = program.decisions.chunk_plan.layout
+        groups = None
+        if layout.ranks > 1:
+            groups = ChunkGroups(layout.ranks, self.shared[DP_GROUP],
+                                 mem_saving=self.plan.mem_saving_comm)  # fmt: skip
         return ChunkManager.from_plan(
             program.decisions.chunk_plan, tensors, masters=masters,
             monitor=self.plan.async_mem_monitor,
             overlap_grad_copies={"on": True, "off": False}.get(self.plan.overlap_grad_copies),
-            grads_in_host=self.plan.grads_in_host,
+            grads_in_host=self.plan.grads_in_host, data_parallel=groups,
         )  # fmt: skip
 
     def _refine_plans(self) -> None:
@@ -431,6 +457,9 @@ class Engine(nn.Module):
         if isinstance(optimizer, HybridAdam):
             stepped = optimizer.step()  # clipping and loss scaling fused into it
         else:
+            groups = self.chunks.data_parallel if self.chunks is not None else None
+            if groups is not None:  # every rank steps every parameter: all get the average
+                groups.average([p.grad for p in self.parameters() if p.grad is not None])
             if opt.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(list(self.parameters()), opt.clip_grad_norm)
             stepped = optimizer.step() is not False
@@ -500,12 +529,22 @@ class Engine(nn.Module):
         safetensors), replacing any previous one atomically."""
         from fxstar.saving import save
 
+        self._refuse_sharded_state("save")
         return str(save(self, path))
+
+    def _refuse_sharded_state(self, doing: str) -> None:
+        if self.data_parallel_size > 1:
+            raise OptionNotImplementedError(
+                f"engine.{doing} under data parallelism: each rank holds the optimizer state of "
+                "its own chunks only, and sharded checkpoints are not built yet (a rank's file "
+                "would miss the others' moments); save from a single-process run"
+            )
 
     def load(self, path: str | os.PathLike, *, strict: bool = True, rng: bool = True) -> Any:
         """Restore a checkpoint in place: parameters, optimizer, scheduler, step and RNG.
         Returns the `fxstar.saving.Checkpoint` read; the parameters are read one tensor at a
         time straight into the engine's own (a model larger than half the host resumes)."""
+        self._refuse_sharded_state("load")
         from fxstar.saving import load
 
         checkpoint = load(path, read_parameters=False)
@@ -581,9 +620,10 @@ class Engine(nn.Module):
             return
         if self.chunks is not None:
             self.chunks.close()
-        group = self.shared.pop(TP_GROUP, None)
-        if group is not None:
-            tp.release_group(group)
+        for key in (TP_GROUP, DP_GROUP):
+            group = self.shared.pop(key, None)
+            if group is not None:
+                tp.release_group(group)
         self._closed = True
         self.programs.clear()
         self._optimizer = None

@@ -77,6 +77,7 @@ def check_host_budget(plan: Any, chunk_plan: ChunkPlan) -> int:
     need = layout.host_bytes(
         masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
         moments=plan.optimizer.type in ("adam", "adamw"),
+        rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
     )  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     budget, source = host_budget(plan)

@@ -639,6 +639,12 @@ class Plan:
         feature="the tensor-parallel pass",
         doc="Tensor parallelism (a TensorParallelConfig or a dict); None = off.",
     )  # fmt: skip
+    data_parallel: bool = _option(
+        True, check=_boolean, feature="the distributed runtime",
+        doc="Under torch.distributed, train the ranks tensor parallelism leaves as data-parallel "
+        "replicas of one model (chunk groups, each chunk's optimizer state on one rank); False: "
+        "each process trains a model of its own.",
+    )  # fmt: skip
     dist_timeout: float = _option(
         300.0, check=_real(0, MAX_DIST_TIMEOUT, lo_open=True), feature="the distributed runtime",
         doc="Seconds a rank waits in one of the engine's collectives before it raises an error "

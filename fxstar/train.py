@@ -23,6 +23,7 @@ from fxstar.engine import compile
 from fxstar.errors import TargetError, UsageError
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.plan import Plan
+from fxstar.res_check import ResCheck, res_check
 from fxstar.targets import Target
 
 
@@ -129,6 +130,26 @@ def train(config: TrainConfig, plan: Plan, *, progress: bool = True) -> TrainRes
     )
     _finish(engine, result, config.timeline)
     return result
+
+
+def res_check_gpt(config: TrainConfig, plan: Plan) -> ResCheck:
+    """`fxstar train --res-check`: the reference GPT (without dropout: its draws differ per
+    rank) trained `config.steps` steps data parallel over the launched ranks and in one
+    process on the same global batches; rank 0 prints both losses per step."""
+    data = CharData(load_text(config.data), config.seq_len, config.seed)
+    model_config = GPTConfig(vocab_size=data.vocab_size, block_size=config.seq_len,
+                             n_layer=config.n_layer, n_head=config.n_head,
+                             n_embd=config.n_embd, dropout=0.0)  # fmt: skip
+
+    def make_model() -> GPT:
+        torch.manual_seed(config.seed)
+        return GPT(model_config)
+
+    batches = [data.batch(config.batch_size) for _ in range(config.steps)]
+    check = res_check(make_model, plan, batches)
+    if check.serial is not None:
+        print(check.table())
+    return check
 
 
 def train_target(

@@ -25,6 +25,7 @@ import torch
 
 from fxstar.dump import note
 from fxstar.errors import FxstarError
+from fxstar.mesh import data_parallel_size
 from fxstar.passes import Pass, register
 from fxstar.passes.shape_memory import backward_peak, node_steps
 from fxstar.program import ParamInfo, Program
@@ -341,8 +342,9 @@ class ChunkLayoutPass(Pass):
 
     def __call__(self, program: Program) -> Program:
         layout = program.shared.get(LAYOUT_KEY)
-        if layout is None:
-            layout = program.shared[LAYOUT_KEY] = plan_layout(program)
+        if layout is None:  # data parallel: in groups of the ranks (runtime/data_parallel.py)
+            layout = plan_layout(program).grouped(data_parallel_size(program.plan))
+            program.shared[LAYOUT_KEY] = layout
         program.decisions.chunk_layout = layout
         slots = layout.slots()
         nodes = {n.name: n for n in program.graph_module.graph.nodes}

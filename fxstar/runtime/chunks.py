@@ -33,6 +33,7 @@ from torch import nn
 
 from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.chunk_stats import ChunkStats
+from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.grad_copies import GradAccumulator
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import (
@@ -98,8 +99,10 @@ class ChunkManager:
         monitor: bool = False,
         overlap_grad_copies: bool | None = None,
         grads_in_host: bool = True,
+        data_parallel: ChunkGroups | None = None,
     ):
         self.layout = layout
+        self.data_parallel = data_parallel  # chunk owners and their collectives, or None
         self.device = torch.device(device)
         self._in_forward = False
         self.stats = ChunkStats()
@@ -227,6 +230,19 @@ class ChunkManager:
         for chunk in self.chunks:
             chunk.sync_host(self.stable)
             self.host_updated(chunk.id)
+
+    def owns(self, chunk_id: int) -> bool:
+        """This rank steps the chunk (data parallel: its owner; else every chunk)."""
+        return self.data_parallel is None or self.data_parallel.owns(chunk_id)
+
+    def fp32_home(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's fp32 parameters the stable ones view (`used` elements): its master, or
+        its host home, or for a chunk kept on the compute tier its copy there."""
+        if chunk.master is not None:
+            return chunk.master[: chunk.used]
+        if chunk.fixed:
+            return self.chunk_view(chunk)[: chunk.used]
+        return chunk.host[: chunk.used]
 
     def host_updated(self, chunk_id: int) -> None:
         """The host copy of a chunk changed in a way torch cannot see (the C++ Adam wrote it):
@@ -466,6 +482,8 @@ class ChunkManager:
                 f"kept on the compute tier with their optimizer state: {len(fixed)} chunks "
                 f"({self.reserved_bytes():,} bytes beside their payloads)"
             )
+        if self.data_parallel is not None:
+            lines.append(self.data_parallel.describe())
         if self.monitor is not None:
             lines.append(
                 f"memory monitor: {len(self.monitor.samples):,} samples, peak "

@@ -67,6 +67,20 @@ class GradAccumulator:
             return self.grad_view(slot) if slot.name in self.present else None
         return self.stable[slot.name].grad
 
+    def has_grad(self, slot: ParamSlot) -> bool:
+        """The slot got a gradient since the last zero_grad."""
+        if self.low_precision:
+            return slot.name in self.present
+        return self.stable[slot.name].grad is not None
+
+    def set_has_grad(self, slot: ParamSlot, has: bool) -> None:
+        """The slot's gradient is what its buffer holds now (`has`), or it has none: data
+        parallelism moved it to its owner."""
+        if self.low_precision:
+            (self.present.add if has else self.present.discard)(slot.name)
+        else:
+            self.stable[slot.name].grad = self.grad_view(slot) if has else None
+
     def _check_not_consumed(self, slot: ParamSlot, doing: str) -> None:
         if slot.name in self.consumed:
             raise GradientConsumedError(

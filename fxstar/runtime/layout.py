@@ -69,6 +69,22 @@ class ChunkLayout:
     chunk_size: int  # elements per chunk
     dtype: torch.dtype
     chunks: list[ChunkSpec]
+    # data parallel: the chunks come in groups of `ranks`, chunk i owned by rank i mod ranks
+    ranks: int = 1
+
+    def grouped(self, ranks: int) -> ChunkLayout:
+        """This layout padded with empty chunks into whole groups of `ranks` (PatrickStar's
+        chunk groups): a group's collective takes one chunk from every rank."""
+        if ranks == self.ranks:
+            return self
+        if self.ranks != 1:
+            raise ValueError(f"the layout is grouped for {self.ranks} ranks already")
+        padding = -len(self.chunks) % ranks
+        specs = list(self.chunks) + [ChunkSpec(len(self.chunks) + i) for i in range(padding)]
+        return dataclasses.replace(self, chunks=specs, ranks=ranks)
+
+    def owner(self, chunk_id: int) -> int:
+        return chunk_id % self.ranks
 
     @property
     def chunk_bytes(self) -> int:
@@ -82,18 +98,19 @@ class ChunkLayout:
     def wasted_bytes(self) -> int:
         return len(self.chunks) * self.chunk_bytes - self.param_bytes
 
-    def host_bytes(self, *, masters: bool, own_grads: bool, moments: bool) -> int:
+    def host_bytes(self, *, masters: bool, own_grads: bool, moments: bool, rank: int = 0) -> int:
         """What the chunk engine allocates on the host for this layout: every chunk's payload
         (packed, see host_parts), fp32 masters (bf16/fp16), gradient buffers of their own
         (fp32; bf16/fp16 with grads_in_host=False) and two fp32 Adam moments per trainable
-        element."""
+        element of the chunks rank `rank` owns (all of them without data parallelism)."""
         every = host_elements(self.dtype, [c.used for c in self.chunks])
         trainable = [c.used for c in self.chunks if c.trainable]
         total = every * self.dtype.itemsize + (every * 4 if masters else 0)
         if own_grads:
             total += host_elements(self.dtype, trainable) * self.dtype.itemsize
         if moments:
-            total += sum(2 * n * 4 for n in trainable)
+            total += sum(2 * c.used * 4 for c in self.chunks
+                         if c.trainable and self.owner(c.id) == rank)  # fmt: skip
         return total
 
     def slots(self) -> dict[str, ParamSlot]:
@@ -104,6 +121,11 @@ class ChunkLayout:
         lines = [
             f"{len(self.chunks)} chunks of {self.chunk_size:,} {str(self.dtype).split('.')[-1]} "
             f"elements ({self.chunk_bytes:,} bytes); {self.wasted_bytes:,} bytes unused"
+            + (
+                f"; groups of {self.ranks}, chunk i owned by rank i mod {self.ranks}"
+                if self.ranks > 1
+                else ""
+            )
         ]
         for c in self.chunks:
             names = ", ".join(p.name for p in c.params)

@@ -74,7 +74,8 @@ class HybridAdam(torch.optim.Optimizer):
         self.device_kernel = device_kernel
         self._placed = False  # the device half is chosen after the first training step
         self.device_chunks: list[int] = []
-        trainable = [c for c in manager.chunks if c.host_grad is not None]
+        # data parallel: the rank's own chunks only (runtime/data_parallel.py)
+        trainable = [c for c in manager.chunks if c.host_grad is not None and manager.owns(c.id)]
         self._slots: dict[int, ParamSlot] = {}  # id(param) -> its place in the chunks
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for chunk in trainable:
@@ -95,9 +96,10 @@ class HybridAdam(torch.optim.Optimizer):
                 }
                 self._slots[id(param)] = slot
         # parameters kept out of the chunks (cpu_embedding) are updated where they are
+        self._in_chunks = {id(p) for p in manager.stable.values()}
         for group in self.param_groups:
             for param in group["params"]:
-                if id(param) not in self._slots:
+                if id(param) not in self._in_chunks:
                     self.state[param] = {
                         "step": torch.zeros((), dtype=torch.float32),
                         "exp_avg": torch.zeros_like(param, memory_format=torch.contiguous_format),
@@ -118,10 +120,10 @@ class HybridAdam(torch.optim.Optimizer):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for group in self.param_groups:  # parameters outside the chunks: a run each
             for param in group["params"]:
-                if id(param) not in self._slots and param.grad is not None:
+                if id(param) not in self._in_chunks and param.grad is not None:
                     runs.append(([param], group, None, param.grad))
         for chunk in self.manager.chunks:
-            if chunk.host_grad is None:
+            if chunk.host_grad is None or not self.manager.owns(chunk.id):
                 continue
             base = chunk.host_grad.data_ptr()
             itemsize = chunk.host_grad.element_size()
@@ -150,6 +152,11 @@ class HybridAdam(torch.optim.Optimizer):
                         continue
                 runs.append(([param], group, span, chunk.host_grad if in_buffer else grad))
         return runs
+
+    def _loose_grads(self) -> list[torch.Tensor]:
+        """Gradients of the parameters kept out of the chunks (cpu_embedding)."""
+        return [p.grad for g in self.param_groups for p in g["params"]
+                if id(p) not in self._in_chunks and p.grad is not None]  # fmt: skip
 
     def _in_buffer(self, grad: torch.Tensor) -> bool:
         return any(grad is c.host_grad for c in self.manager.chunks)
@@ -182,6 +189,10 @@ class HybridAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        groups = self.manager.data_parallel
+        if groups is not None:  # each owner gets its chunks' averaged gradients
+            groups.reduce_to_owners(self.manager)
+            groups.average(self._loose_grads())
         runs = self._runs()
         # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
         grads = [
@@ -193,6 +204,8 @@ class HybridAdam(torch.optim.Optimizer):
             # the global decision; without clipping or fp16 nothing needs it (torch's fused
             # AdamW does not read the gradients twice either)
             sum_sq, finite = self._grad_stats(grads)
+            if groups is not None:  # over every rank's own chunks: all clip and skip alike
+                sum_sq, finite = groups.agree_stats(sum_sq, finite)
             scale = self.scaler.scale if self.scaler is not None else 1.0
             if self.scaler is not None:
                 self.scaler.update(overflow=not finite)
@@ -245,6 +258,8 @@ class HybridAdam(torch.optim.Optimizer):
                 self.manager.compute_updated(chunk_id)
             else:
                 self.manager.host_updated(chunk_id)
+        if groups is not None:  # the owners' updates to every replica
+            groups.share_updates(self.manager)
         if self.hybrid and not self._placed:
             self._place()
         return True
@@ -288,7 +303,8 @@ class HybridAdam(torch.optim.Optimizer):
         uses: dict[int, int] = {}
         for moment in moments:
             uses[moment.chunk] = uses.get(moment.chunk, 0) + 1
-        trainable = [c.id for c in manager.chunks if c.host_grad is not None]
+        trainable = [c.id for c in manager.chunks if c.host_grad is not None
+                     and manager.owns(c.id)]  # fmt: skip
         ranked = sorted(trainable, key=lambda c: (-uses.get(c, 0), c))
         self._keep(ranked[: manager.margin(self.margin_use_ratio) // per_chunk])
 

@@ -1,0 +1,223 @@
+"""Data parallelism over chunk groups: gradients to their owners, updates from them.
+
+The chunk list is padded into groups of N (the data-parallel size); chunk i is owned by rank
+i mod N (PatrickStar's chunk groups). Every rank holds every chunk's parameters (the payloads
+are replicated: ZeRO-Offload's layout), but the optimizer state (fp32 moments) only of its own
+chunks: HybridAdam steps those alone. At the stepping micro-batch, before the update:
+
+- `reduce_to_owners`: the gradient of each group is reduce-scattered (one collective over a
+  group buffer of N chunks) so that each owner gets the average of its chunk's gradient; the
+  other ranks drop theirs (under bf16/fp16 their payload's room gets its parameters back).
+  With `mem_saving` it is N reduces, each in place in the chunk's own gradient buffer: no
+  communication buffer at all.
+- which parameters got a gradient is agreed first (a max all-reduce of one flag a slot), so a
+  parameter one rank did not use still gets the others' share;
+- the global decisions of the step (the clip norm's sum of squares, fp16 overflow) are summed
+  across ranks (`agree_stats`), so every rank clips alike and skips the same steps.
+
+After the update, `share_updates` sends each owner's updated fp32 parameters to the others (an
+all-gather of each group, or with `mem_saving` N broadcasts straight into the homes); the
+receivers round their low-precision payloads from them. Optimizers other than HybridAdam
+step every parameter on every rank: `average` all-reduces every gradient instead.
+
+The process group is the engine's own (runtime/dist.new_group, with plan.dist_timeout), so a
+rank that stopped makes the others raise a CollectiveError naming the collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from fxstar.runtime import dist as comm
+
+if TYPE_CHECKING:
+    from fxstar.runtime.chunks import ChunkManager
+    from fxstar.runtime.residency import Chunk
+
+__all__ = ["ChunkGroups"]
+
+
+class ChunkGroups:
+    """Which chunks this rank owns, and the collectives that keep the replicas one model."""
+
+    def __init__(self, size: int, group: str, *, mem_saving: bool = False):
+        self.group = group
+        self.pg = comm.process_group(group)
+        self.size = size
+        self.rank = dist.get_rank(self.pg)
+        if dist.get_world_size(self.pg) != size:
+            raise ValueError(
+                f"the chunk layout has groups of {size}; process group {group!r} has "
+                f"{dist.get_world_size(self.pg)} ranks"
+            )
+        self.mem_saving = mem_saving
+        self.peak_buffer_bytes = 0  # the largest communication buffer a collective used
+        self.bytes_sent = 0  # gradients and parameters this rank put on the wire (approx.)
+
+    def owner(self, chunk_id: int) -> int:
+        return chunk_id % self.size
+
+    def owns(self, chunk_id: int) -> bool:
+        return self.owner(chunk_id) == self.rank
+
+    def groups(self, chunks: Sequence[Chunk]) -> list[list[Chunk]]:
+        """The chunks in groups of `size`, in order (the layout padded them to whole groups)."""
+        return [list(chunks[i : i + self.size]) for i in range(0, len(chunks), self.size)]
+
+    def describe(self) -> str:
+        way = ("N reduces and N broadcasts in place" if self.mem_saving
+               else "reduce-scatter and all-gather over a group buffer")  # fmt: skip
+        return (
+            f"data parallel: rank {self.rank} of {self.size}, owns every chunk i with "
+            f"i mod {self.size} == {self.rank} ({way}); largest communication buffer "
+            f"{self.peak_buffer_bytes:,} bytes, {self.bytes_sent:,} bytes sent"
+        )
+
+    # -- collectives, each named in errors --------------------------------------------------------
+
+    def _guard(self, what: str):
+        return comm.guard(f"{what} (data parallel)", self.group)
+
+    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = torch.zeros(numel, dtype=dtype, device=device)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, buffer.nbytes)
+        return buffer
+
+    def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """Element-wise max over the ranks (a flag set on any rank is set on all)."""
+        flags = flags.to(torch.int32)
+        with self._guard("agreeing which parameters got gradients"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        return flags.bool()
+
+    def agree_stats(self, sum_sq: float, finite: bool) -> tuple[float, bool]:
+        """The step's global decision over every rank's own chunks: the summed squares and
+        whether every gradient is finite."""
+        stats = torch.tensor([sum_sq, 0.0 if finite else 1.0], dtype=torch.float64)
+        with self._guard("summing the gradient norm and overflow"):
+            dist.all_reduce(stats, group=self.pg)
+        return float(stats[0]), bool(stats[1] == 0)
+
+    def reduce_group(self, grads: list[torch.Tensor], chunk_size: int) -> torch.Tensor | None:
+        """Sum the group's gradients (one a rank's chunk, each `used` long, `grads[i]` owned by
+        rank i) and hand back this rank's own sum (None when it owns a padding chunk)."""
+        mine = grads[self.rank]
+        if self.mem_saving:
+            with self._guard("reducing gradients to their owner"):
+                for owner, grad in enumerate(grads):
+                    if grad.numel():
+                        dist.reduce(grad, dst=owner, group=self.pg)
+                        self.bytes_sent += grad.nbytes
+            return mine if mine.numel() else None
+        like = next(g for g in grads if g.numel())
+        flat = self._buffer((self.size + 1) * chunk_size, like.dtype, like.device)
+        stacked, out = flat[: self.size * chunk_size], flat[self.size * chunk_size :]
+        for i, grad in enumerate(grads):
+            stacked[i * chunk_size : i * chunk_size + grad.numel()].copy_(grad)
+        with self._guard("reduce-scattering gradients to their owners"):
+            comm._reduce_scatter_single(out, stacked, group=self.pg)
+        self.bytes_sent += stacked.nbytes
+        if not mine.numel():
+            return None
+        mine.copy_(out[: mine.numel()])
+        return mine
+
+    def gather_group(self, homes: list[torch.Tensor], chunk_size: int) -> None:
+        """Every rank's `homes[i]` becomes owner i's (each `used` long, fp32)."""
+        if self.mem_saving:
+            with self._guard("broadcasting updated parameters from their owner"):
+                for owner, home in enumerate(homes):
+                    if home.numel():
+                        dist.broadcast(home, src=owner, group=self.pg)
+                        self.bytes_sent += home.nbytes if owner == self.rank else 0
+            return
+        like = next(h for h in homes if h.numel())
+        flat = self._buffer((self.size + 1) * chunk_size, like.dtype, like.device)
+        gathered, mine = flat[: self.size * chunk_size], flat[self.size * chunk_size :]
+        own = homes[self.rank]
+        mine[: own.numel()].copy_(own)
+        with self._guard("all-gathering updated parameters"):
+            comm._all_gather_single(gathered, mine, group=self.pg)
+        self.bytes_sent += mine.nbytes
+        for i, home in enumerate(homes):
+            if i != self.rank and home.numel():
+                home.copy_(gathered[i * chunk_size : i * chunk_size + home.numel()])
+
+    def average(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Every rank's tensors become the mean over the ranks (in place)."""
+        with self._guard("averaging gradients"):
+            for t in tensors:
+                dist.all_reduce(t, group=self.pg)
+                t.div_(self.size)
+                self.bytes_sent += t.nbytes
+
+    def broadcast(self, tensors: Iterable[torch.Tensor], what: str) -> None:
+        """Rank 0's values everywhere (a replica starts as rank 0's model, as DDP's does)."""
+        with self._guard(f"broadcasting {what} from rank 0"):
+            for t in tensors:
+                dist.broadcast(t, src=0, group=self.pg)
+
+    # -- the chunks' side ---------------------------------------------------------------------
+
+    def reduce_to_owners(self, manager: ChunkManager) -> None:
+        """Before the update: every owner holds the average of its chunks' gradients over the
+        ranks, under the slots any rank gave one; the other ranks hold none (a payload room
+        that held a gradient has its parameters back)."""
+        grads = manager.grads
+        grads.wait()
+        slots = [s for c in manager.chunks if c.host_grad is not None
+                 for s in c.slots if s.requires_grad]  # fmt: skip
+        local = torch.tensor([grads.has_grad(s) for s in slots], dtype=torch.bool)
+        agreed = self.agree_flags(local)
+        with_grad = set()
+        for slot, here, anywhere in zip(slots, local.tolist(), agreed.tolist(), strict=True):
+            if not anywhere:
+                continue
+            with_grad.add(slot.name)
+            chunk = manager.chunks[slot.chunk]
+            if chunk.grads_in_host:  # the room is the gradient's from here on, on every rank
+                chunk.grad_slots.add(slot.name)
+            if not here:  # this rank's share of a gradient others have
+                grads.grad_view(slot).zero_()
+        for group in self.groups(manager.chunks):
+            parts = [c.host_grad[: c.used] if c.host_grad is not None else c.host[:0]
+                     for c in group]  # fmt: skip
+            if not any(p.numel() for p in parts):
+                continue
+            mine = self.reduce_group(parts, manager.layout.chunk_size)
+            if mine is not None:
+                mine.div_(self.size)
+        for chunk in manager.chunks:
+            if chunk.host_grad is None:
+                continue
+            owned = [s for s in chunk.slots if s.name in with_grad] if self.owns(chunk.id) else []
+            if chunk.grads_in_host:  # the collective wrote the whole room: parameters back
+                chunk.round_into(chunk.host, [s for s in chunk.slots if s not in owned])
+                chunk.grad_slots = {s.name for s in owned}
+            for slot in chunk.slots:
+                grads.set_has_grad(slot, slot in owned)
+
+    def share_updates(self, manager: ChunkManager) -> None:
+        """After the update: every rank's fp32 parameters of every trainable chunk become its
+        owner's, and the low-precision payloads follow."""
+        for group in self.groups(manager.chunks):
+            homes = [manager.fp32_home(c) if c.host_grad is not None else c.host[:0]
+                     for c in group]  # fmt: skip
+            if not any(h.numel() for h in homes):
+                continue
+            self.gather_group(homes, manager.layout.chunk_size)
+            for chunk in group:
+                if chunk.host_grad is None or self.owns(chunk.id):
+                    continue
+                chunk.sync_host(manager.stable)
+                manager.host_updated(chunk.id)
+
+    def start_alike(self, manager: ChunkManager) -> None:
+        """After the homes were filled: every replica starts as rank 0's."""
+        homes = [manager.fp32_home(c) for c in manager.chunks if c.used]
+        self.broadcast(homes, "the initial parameters")
+        manager.masters_written()

@@ -1,0 +1,261 @@
+"""Data parallelism over chunk groups, on spawned gloo ranks, against the serial run.
+
+The oracle is the same plan run in one process on the whole batch (every rank's slice
+concatenated): the mean of the ranks' losses and the parameters after the steps agree within
+1e-5 (relative for the losses, absolute and relative for the parameters but the attention
+key biases: key_bias_noise) in fp32, where the ranks only sum their gradients in another
+order; 2e-2 under bf16 (the gradients are summed across ranks in bf16). Dropout draws differ
+per rank by design, so the serial comparisons run without it; with dropout the replicas must
+stay bitwise one model.
+Spawning costs seconds, so each world size is one spawn that runs every case.
+"""
+
+import time
+
+import pytest
+import torch
+from conftest import SEQ, VOCAB
+
+import fxstar
+from fxstar.dist_launch import spawn
+from fxstar.errors import CollectiveError
+from fxstar.plan import Plan
+
+STEPS = 3
+PER_RANK = 2  # sequences per rank and step
+
+
+def gpt(dropout: float = 0.0) -> torch.nn.Module:
+    from fxstar.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32,
+                         dropout=dropout))  # fmt: skip
+
+
+def gpt2(dropout: float = 0.0) -> torch.nn.Module:
+    """transformers' defaults (use_cache=True, biases, tied head) but for the sizes."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ * 2, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(dropout: float = 0.0) -> torch.nn.Module:
+    """transformers' defaults (use_cache=True, untied head, grouped KV heads) but the sizes."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
+        attention_dropout=dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+MODELS = {"gpt": gpt, "gpt2": gpt2, "llama": llama}
+CHUNKS = {"chunk_size": 4096, "device_memory": "auto"}  # several groups, paged
+CASES = {
+    # name: (plan options, model, dropout)
+    "fp32": (
+        {**CHUNKS, "optimizer": {"type": "adamw", "lr": 1e-2, "clip_grad_norm": 0.5}},
+        "gpt",
+        0.0,
+    ),
+    "fp32 mem_saving_comm": (
+        {**CHUNKS, "mem_saving_comm": True, "optimizer": {"lr": 1e-2}},
+        "gpt",
+        0.0,
+    ),
+    "bf16": ({**CHUNKS, "precision": "bf16", "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
+    "accumulation": ({**CHUNKS, "optimizer": {"lr": 1e-2, "accumulation_steps": 2}}, "gpt", 0.0),
+    "sgd": ({**CHUNKS, "optimizer": {"type": "sgd", "lr": 0.5}}, "gpt", 0.0),
+    "dropout": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt", 0.1),
+}
+# at lr 1e-3: Adam makes an update of the learning rate's size out of a gradient that is
+# rounding noise (an element near zero), which the ranks' summation order changes
+SLOW_CASES = {
+    "checkpoint offload": ({**CHUNKS, "checkpoint": "blocks", "offload_activations": True,
+                            "optimizer": {"lr": 1e-3}}, "gpt", 0.0),
+    "gpt2": ({**CHUNKS, "optimizer": {"lr": 1e-3}}, "gpt2", 0.0),
+    "gpt2 dropout": ({**CHUNKS, "optimizer": {"lr": 1e-3}}, "gpt2", 0.1),
+    "llama bf16": ({**CHUNKS, "precision": "bf16", "optimizer": {"lr": 1e-3}}, "llama", 0.0),
+    "llama": ({**CHUNKS, "optimizer": {"lr": 1e-3, "clip_grad_norm": 0.5}}, "llama", 0.0),
+}  # fmt: skip
+ALL_CASES = {**CASES, **SLOW_CASES}
+
+
+def batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    shape = (world * PER_RANK, SEQ)
+    return [(torch.randint(0, VOCAB, shape, generator=g),
+             torch.randint(0, VOCAB, shape, generator=g)) for _ in range(STEPS * 2)]  # fmt: skip
+
+
+def call(engine, model_name: str, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if model_name == "gpt":
+        return engine(ids, targets)
+    return engine(input_ids=ids, labels=targets).loss
+
+
+def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
+    """Losses (per micro-batch) and final parameters of one run on rank `rank`'s slice of
+    the batches of `world` ranks (`serial`: all of them, in one process)."""
+    options, model_name, dropout = ALL_CASES[name]
+    plan = Plan.from_dict(options)
+    model = MODELS[model_name](dropout)
+    ids, targets = batches(world)[0]
+    rows = slice(None) if serial else slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    if model_name == "gpt":
+        example = {"example_inputs": (ids[rows], targets[rows])}
+    else:
+        example = {"example_kwargs": {"input_ids": ids[rows], "labels": targets[rows]}}
+    engine = fxstar.compile(model, plan, **example)
+    engine.chunks.checking = True
+    torch.manual_seed(100 + rank)
+    losses = []
+    micro = plan.optimizer.accumulation_steps
+    for ids, targets in batches(world)[: STEPS * micro]:
+        loss = call(engine, model_name, ids[rows], targets[rows])
+        loss.backward()
+        engine.step()
+        losses.append(loss.item())
+    state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    groups = engine.chunks.data_parallel
+    info = {
+        "chunks": len(engine.chunks.layout.chunks),
+        "evictions": engine.chunks.stats.evictions,
+        "ranks": engine.chunks.layout.ranks,
+        "report": engine.report(),
+        "peak_buffer": groups.peak_buffer_bytes if groups is not None else 0,
+        "moments": sum(
+            s["exp_avg"].numel() for s in engine.optimizer.state.values() if "exp_avg" in s
+        ),  # fmt: skip
+    }
+    return {"losses": losses, "params": state, "info": info}
+
+
+def _worker(rank: int, world: int, names: list[str]) -> dict:
+    return {name: train(name, rank, world) for name in names}
+
+
+def key_bias_noise(bias: torch.Tensor) -> torch.Tensor:
+    """The query and value biases of a c_attn bias, without the keys': softmax does not change
+    when every key gets the same shift, so their gradient is zero but for rounding, and Adam
+    turns that noise into updates of the learning rate's size in whichever direction the
+    rounding of each run went."""
+    width = bias.numel() // 3
+    return torch.cat([bias[:width], bias[2 * width :]])
+
+
+def check_against_serial(results: list[dict], name: str, world: int) -> None:
+    serial = train(name, 0, world, serial=True)
+    rtol = 2e-2 if ALL_CASES[name][0].get("precision") == "bf16" else 1e-5
+    per_rank = [r[name] for r in results]
+    mean = torch.tensor([r["losses"] for r in per_rank]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(serial["losses"]), rtol=rtol, atol=1e-6)
+    for run in per_rank:
+        assert run["info"]["ranks"] == world and run["info"]["chunks"] % world == 0
+        for n, want in serial["params"].items():
+            got = run["params"][n]
+            if n.endswith("attn.c_attn.bias"):  # see key_bias_noise (GPT, GPT-2)
+                got, want = key_bias_noise(got), key_bias_noise(want)
+            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol,
+                                       msg=lambda m, n=n: f"{name}: {n}: {m}")  # fmt: skip
+    assert per_rank[0]["info"]["evictions"] > 0  # the chunks were really paged
+
+
+def check_replicas_equal(results: list[dict], name: str) -> None:
+    first = results[0][name]["params"]
+    for other in results[1:]:
+        for n, p in first.items():
+            assert torch.equal(other[name]["params"][n], p), f"{name}: {n} differs across ranks"
+
+
+def check_cases(world: int, names: list[str]) -> list[dict]:
+    results = spawn(_worker, world, names)
+    for name in names:
+        check_replicas_equal(results, name)
+        if ALL_CASES[name][2] == 0.0:
+            check_against_serial(results, name, world)
+    return results
+
+
+def run_world(world: int) -> None:
+    results = check_cases(world, list(CASES))
+    serial_moments = train("fp32", 0, world, serial=True)["info"]["moments"]
+    moments = [r["fp32"]["info"]["moments"] for r in results]
+    assert sum(moments) == serial_moments and max(moments) < serial_moments  # sharded state
+    assert results[0]["fp32 mem_saving_comm"]["info"]["peak_buffer"] == 0
+    assert results[0]["fp32"]["info"]["peak_buffer"] > 0
+    assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
+
+
+def test_world_2_matches_the_serial_run():
+    run_world(2)
+
+
+@pytest.mark.slow
+def test_world_4_matches_the_serial_run():
+    run_world(4)
+
+
+@pytest.mark.slow
+def test_transformers_and_activation_passes_at_world_2_match_the_serial_run():
+    check_cases(2, list(SLOW_CASES))
+
+
+def _stops_mid_step(rank: int, world: int) -> dict:
+    """Rank 1 raises between its backward and its step; rank 0 goes on into the step."""
+    plan = Plan(chunk_size=4096, device_memory="auto", dist_timeout=20)
+    model = gpt()
+    (ids, targets), *_ = batches(world)
+    engine = fxstar.compile(model, plan, example_inputs=(ids[:PER_RANK], targets[:PER_RANK]))
+    engine(ids[:PER_RANK], targets[:PER_RANK]).backward()
+    if rank == 1:
+        try:
+            raise RuntimeError("a bad batch")  # what the user's loop hit, then left
+        except RuntimeError:
+            return {"stopped": True}
+    start = time.perf_counter()
+    try:
+        engine.step()
+    except CollectiveError as error:
+        return {"error": str(error), "seconds": time.perf_counter() - start}
+    return {"error": None}
+
+
+def test_a_rank_that_stops_ends_the_others_with_a_clear_error():
+    rank0, rank1 = spawn(_stops_mid_step, 2)
+    assert rank1 == {"stopped": True}
+    assert rank0["error"] is not None and "(data parallel)" in rank0["error"]
+    assert "rank 0 of 2" in rank0["error"] and rank0["seconds"] < 20
+
+
+def _res_check_cli(rank: int, world: int) -> str:
+    import contextlib
+    import io
+
+    from fxstar.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["train", "--res-check", "--steps", "3", "--batch-size", "4",
+                     "--seq-len", "16", "--layers", "1", "--width", "32", "--heads", "2",
+                     "--device-memory", "auto", "--no-progress"])  # fmt: skip
+    assert code == 0
+    return out.getvalue()
+
+
+def test_res_check_prints_both_losses_per_step():
+    text, other = spawn(_res_check_cli, 2)
+    assert "res_check: 2 ranks data parallel vs one process" in text
+    assert "res_check" not in other  # the table is rank 0's
+    steps = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(s[0]) for s in steps] == [0, 1, 2]
+    largest = float(text.split("largest difference ")[1].split()[0])
+    assert largest < 1e-5 and max(abs(float(s[3])) for s in steps) == largest
