@@ -28,9 +28,9 @@ from torch import nn
 
 from fxstar import placement
 from fxstar.capture import capture
-from fxstar.errors import EngineStateError, OptionNotImplementedError, UsageError
+from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
-from fxstar.mesh import data_parallel_size
+from fxstar.mesh import DP_GROUP, data_parallel_size
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
@@ -62,9 +62,6 @@ ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed", "device",
 def implemented_options() -> set[str]:
     """Every plan option with a feature behind it: the engine's and every registered pass's."""
     return set(ENGINE_OPTIONS) | pass_options()
-
-
-DP_GROUP = "data_parallel_group"  # Program.shared key: the data-parallel process group
 
 
 class _CaptureCheck:
@@ -529,22 +526,12 @@ class Engine(nn.Module):
         safetensors), replacing any previous one atomically."""
         from fxstar.saving import save
 
-        self._refuse_sharded_state("save")
         return str(save(self, path))
-
-    def _refuse_sharded_state(self, doing: str) -> None:
-        if self.data_parallel_size > 1:
-            raise OptionNotImplementedError(
-                f"engine.{doing} under data parallelism: each rank holds the optimizer state of "
-                "its own chunks only, and sharded checkpoints are not built yet (a rank's file "
-                "would miss the others' moments); save from a single-process run"
-            )
 
     def load(self, path: str | os.PathLike, *, strict: bool = True, rng: bool = True) -> Any:
         """Restore a checkpoint in place: parameters, optimizer, scheduler, step and RNG.
         Returns the `fxstar.saving.Checkpoint` read; the parameters are read one tensor at a
         time straight into the engine's own (a model larger than half the host resumes)."""
-        self._refuse_sharded_state("load")
         from fxstar.saving import load
 
         checkpoint = load(path, read_parameters=False)

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from fxstar.errors import OptionNotImplementedError, PlanError
 
-__all__ = ["data_parallel_size"]
+__all__ = ["DP_GROUP", "data_parallel_size"]
+
+DP_GROUP = "data_parallel_group"  # Program.shared key: the engine's data-parallel group
 
 
 def _world() -> int:

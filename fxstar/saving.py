@@ -41,6 +41,13 @@ parameters are cut into its shards by the store, and it restores its own rank's 
 state, so the run resumes bit for bit. That needs the same world size and tensor-parallel
 size; another (or a checkpoint of an older fxstar, with rank 0's state only) is refused with
 a CheckpointError: `fxstar.load(dir, model)` before compile still takes its weights.
+
+Under data parallelism (runtime/data_parallel.py) the same gathering writes every rank's
+training state (each holds the moments of its own chunks only) and training.json says
+"data_parallel": N. Loading consolidates: the optimizer states of all ranks are joined into one
+(`fxstar.load` returns that), and each rank of any number of data-parallel ranks, or one
+process, takes what its own chunks need, so a checkpoint of 2 ranks resumes at 1, 2 or 4. At
+the same world size each rank gets its own RNG state back, at another rank 0's.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from fxstar.errors import CheckpointError
+from fxstar.mesh import DP_GROUP
 from fxstar.passes.tensor_parallel import GROUP_KEY
 from fxstar.runtime import dist as tp
 from fxstar.runtime import rng_tracker
@@ -255,7 +263,7 @@ def save(engine: Engine, path: str | os.PathLike) -> Path:
     ranks = _ranks(engine)
     if ranks == 1:
         return _save(engine, path, params, aliases, ranks, [_to_json(training_state(engine))])
-    group = engine.shared.get(GROUP_KEY)
+    group = _group(engine)
     states = _gather_states(engine, group)  # collective: every rank's training state to rank 0
     return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks, states), group)
 
@@ -304,6 +312,7 @@ def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tenso
         "torch": torch.__version__,
         "model": type(engine.model).__name__,
         "ranks": ranks,
+        "data_parallel": engine.data_parallel_size,
         "parameters": {"file": PARAMETERS, "aliases": aliases},
         "tensors": TENSORS,
         "files": {},
@@ -332,11 +341,34 @@ def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tenso
 
 
 def _ranks(engine: Engine) -> int:
-    """The ranks a tensor-parallel engine is split over, whose save is collective; else 1."""
+    """The ranks a tensor-parallel or data-parallel engine runs on, whose save is collective;
+    else 1."""
+    if engine.data_parallel_size > 1:
+        return engine.data_parallel_size
     config = engine.plan.tensor_parallel
     if config is None or config.size < 2 or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
+
+
+def _group(engine: Engine) -> str | None:
+    """The engine's own process group (tensor or data parallel)."""
+    return engine.shared.get(GROUP_KEY) or engine.shared.get(DP_GROUP)
+
+
+def _data_parallel(meta: Mapping[str, Any]) -> int:
+    """The data-parallel ranks a checkpoint was saved by (1: none)."""
+    return int(meta.get("data_parallel", 1))
+
+
+def _consolidated(directory: Path, meta: Mapping[str, Any], state: dict[str, Any]) -> dict:
+    """A data-parallel checkpoint's training state as one process's: rank 0's, its optimizer
+    state joined with every other rank's (each held the moments of its own chunks only, under
+    the positions of the same parameter list)."""
+    merged = dict(state["optimizer"]["state"])
+    for rank in range(1, int(meta["ranks"])):
+        merged.update(_rank_state(directory, meta, rank)["optimizer"]["state"])
+    return {**state, "optimizer": {**state["optimizer"], "state": merged}}
 
 
 def _on_rank_zero(save: Callable[[], Path], group: str | None = None) -> Path:
@@ -595,21 +627,32 @@ class Checkpoint:
             self._resumable_by(engine)
         # collective under tensor parallelism (the parameters are gathered): every rank is here
         self.check(engine.state_dict())
-        if ranks != 1 and dist.get_rank() != 0:  # rank 0's is self.state
-            state = _rank_state(self.path, self.meta, dist.get_rank())
+        rank = dist.get_rank() if ranks != 1 and _ranks(engine) == ranks else 0
+        if rank != 0 and _data_parallel(self.meta) > 1:  # consolidated: only the RNG is its own
+            state = {**state, "rng": _rank_state(self.path, self.meta, rank)["rng"]}
+        elif rank != 0:  # tensor parallel: the rank's own shards (rank 0's is self.state)
+            state = _rank_state(self.path, self.meta, rank)
         copy_parameters(engine, self.parameters_one_by_one())  # a rank's shards cut by the store
         engine.zero_grad(set_to_none=True)
         restore_training_state(engine, state, strict=strict, rng=rng)
 
     def _resumable_by(self, engine: Engine) -> None:
         """A tensor-parallel checkpoint resumes an engine of the same world and tensor-parallel
-        size, each rank from its own training state; anything else is refused here."""
+        size, each rank from its own training state; a data-parallel one (or a one-process one)
+        resumes one without tensor parallelism at any number of data-parallel ranks, each
+        taking the optimizer state of its own chunks from the consolidated state (the RNG
+        states are the ranks' own at the same world size, rank 0's otherwise); anything else is
+        refused here."""
         ranks, mine = self.meta.get("ranks", 1), _ranks(engine)
         plan = self.meta.get("plan")
         saved = plan.get("tensor_parallel") if isinstance(plan, dict) else None
         saved_tp = saved.get("size", ranks) if isinstance(saved, dict) else ranks
+        if _data_parallel(self.meta) > 1:
+            saved_tp = 1
         config = engine.plan.tensor_parallel
         my_tp = config.size if config is not None else 1
+        if saved_tp == my_tp == 1 and (_data_parallel(self.meta) > 1 or ranks == 1):
+            return  # data parallel or one process: the optimizer state reshards by name
         if ranks != mine or (ranks != 1 and saved_tp != my_tp):
             raise CheckpointError(
                 f"{self.path} was saved by {ranks} tensor-parallel ranks (tensor_parallel size "
@@ -714,6 +757,8 @@ def load(
     with _reading(directory / STATE):
         skeleton = meta.pop("state")
     state = _state(directory, meta, meta.get("tensors", TENSORS), skeleton)
+    if _data_parallel(meta) > 1:
+        state = _consolidated(directory, meta, state)
     if read_parameters and model is None:
         checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta)
     else:

@@ -347,6 +347,9 @@ class HybridAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for param in list(self.state):
             loaded, chunked = self.state[param], views.get(id(param))
+            if chunked is None and id(param) in self._in_chunks:
+                del self.state[param]  # data parallel: another rank's chunk, its owner's state
+                continue
             if chunked is None:
                 continue
             for key in ("exp_avg", "exp_avg_sq"):

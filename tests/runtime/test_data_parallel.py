@@ -4,9 +4,11 @@ The oracle is the same plan run in one process on the whole batch (every rank's 
 concatenated): the mean of the ranks' losses and the parameters after the steps agree within
 1e-5 (relative for the losses, absolute and relative for the parameters but the attention
 key biases: key_bias_noise) in fp32, where the ranks only sum their gradients in another
-order; 2e-2 under bf16 (the gradients are summed across ranks in bf16). Dropout draws differ
-per rank by design, so the serial comparisons run without it; with dropout the replicas must
-stay bitwise one model.
+order. Under bf16, whose gradients the ranks compute on their slices and sum in bf16 while the
+serial run computes them on the whole batch, the losses agree within 2e-2 and each parameter
+within 10% in norm (as tests/test_families.py holds bf16 gradients to 15% of fp32's); the fp32
+cases are the tight check of the reduction. Dropout draws differ per rank by design, so the
+serial comparisons run without it; with dropout the replicas must stay bitwise one model.
 Spawning costs seconds, so each world size is one spawn that runs every case.
 """
 
@@ -154,9 +156,10 @@ def key_bias_noise(bias: torch.Tensor) -> torch.Tensor:
 
 def check_against_serial(results: list[dict], name: str, world: int) -> None:
     serial = train(name, 0, world, serial=True)
-    rtol = 2e-2 if ALL_CASES[name][0].get("precision") == "bf16" else 1e-5
+    bf16 = ALL_CASES[name][0].get("precision") == "bf16"
     per_rank = [r[name] for r in results]
     mean = torch.tensor([r["losses"] for r in per_rank]).mean(0)
+    rtol = 2e-2 if bf16 else 1e-5
     torch.testing.assert_close(mean, torch.tensor(serial["losses"]), rtol=rtol, atol=1e-6)
     for run in per_rank:
         assert run["info"]["ranks"] == world and run["info"]["chunks"] % world == 0
@@ -164,8 +167,11 @@ def check_against_serial(results: list[dict], name: str, world: int) -> None:
             got = run["params"][n]
             if n.endswith("attn.c_attn.bias"):  # see key_bias_noise (GPT, GPT-2)
                 got, want = key_bias_noise(got), key_bias_noise(want)
-            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol,
-                                       msg=lambda m, n=n: f"{name}: {n}: {m}")  # fmt: skip
+            if bf16:  # three steps of lr 1e-2 move these parameters about their own norm
+                assert (got - want).norm() <= 0.1 * want.norm(), f"{name}: {n}"
+            else:
+                torch.testing.assert_close(got, want, rtol=rtol, atol=rtol,
+                                           msg=lambda m, n=n: f"{name}: {n}: {m}")  # fmt: skip
     assert per_rank[0]["info"]["evictions"] > 0  # the chunks were really paged
 
 
@@ -259,3 +265,65 @@ def test_res_check_prints_both_losses_per_step():
     assert [int(s[0]) for s in steps] == [0, 1, 2]
     largest = float(text.split("largest difference ")[1].split()[0])
     assert largest < 1e-5 and max(abs(float(s[3])) for s in steps) == largest
+
+
+# -- checkpoints: saved at world 2, resumed at 1, 2 and 4 ---------------------------------------
+
+GLOBAL_ROWS = 4  # one global batch, split over whatever world resumes
+RESUME = {**CHUNKS, "optimizer": {"lr": 1e-2}}
+
+
+def _global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    shape = (GLOBAL_ROWS, SEQ)
+    return [(torch.randint(0, VOCAB, shape, generator=g),
+             torch.randint(0, VOCAB, shape, generator=g)) for _ in range(4)]  # fmt: skip
+
+
+def _run_steps(rank: int, world: int, directory: str, first: int, save_at: int | None) -> list:
+    """Steps `first`.. of the global batches on this rank's rows, from the checkpoint in
+    `directory` when `first` > 0; saves there after step `save_at`. The ranks' mean losses."""
+    import torch.distributed as dist
+
+    part = GLOBAL_ROWS // world
+    rows = slice(rank * part, (rank + 1) * part)
+    data = _global_batches()
+    engine = fxstar.compile(gpt(), Plan.from_dict(RESUME),
+                            example_inputs=(data[0][0][rows], data[0][1][rows]))  # fmt: skip
+    if first:
+        engine.load(directory)
+    losses = []
+    for step in range(first, len(data)):
+        ids, targets = data[step]
+        loss = engine(ids[rows], targets[rows])
+        loss.backward()
+        engine.step()
+        losses.append(loss.detach())
+        if step == save_at:
+            engine.save(directory)
+    mean = torch.stack(losses)
+    if world > 1:
+        dist.all_reduce(mean)
+    return (mean / world).tolist()
+
+
+def check_resumes(directory, worlds: list[int]) -> None:
+    """Saved by 2 ranks after step 1: every world resumes steps 2 and 3 with the losses of
+    the uninterrupted run (within the tolerance of the reduction order)."""
+    through = spawn(_run_steps, 2, str(directory), 0, 1)[0]
+    for world in worlds:
+        if world == 1:
+            resumed = _run_steps(0, 1, str(directory), 2, None)
+        else:
+            resumed = spawn(_run_steps, world, str(directory), 2, None)[0]
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(through[2:]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m, w=world: f"world {w}: {m}")  # fmt: skip
+
+
+def test_checkpoint_saved_at_world_2_resumes_at_world_1_and_2(tmp_path):
+    check_resumes(tmp_path / "ckpt", [1, 2])
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_world_2_resumes_at_world_4(tmp_path):
+    check_resumes(tmp_path / "ckpt", [4])
