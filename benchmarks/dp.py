@@ -13,7 +13,7 @@ Columns: step time (median of the timed steps, the slowest rank's), tokens/s ove
 its ratio to serial; model-state bytes per rank (fxstar: the chunk homes, gradient buffers and
 moments the engine allocated for its rank, `ChunkLayout.host_bytes`; FSDP2: its local shards of
 parameters, gradients and the two moments); the largest communication buffer and the bytes a
-rank sent per step. On a 2-core CPU the ranks share the cores, so tokens/s does not scale with
+rank handed to collectives per step (its tensors' sizes, not what the ring moved). On a 2-core CPU the ranks share the cores, so tokens/s does not scale with
 N here: the ratios say what the communication and bookkeeping cost, the bytes are exact.
 
     python benchmarks/dp.py
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="global: split over ranks")
-    parser.add_argument("--device-memory", default="60%")
+    parser.add_argument("--device-memory", default="auto")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="write the rows here")
@@ -162,7 +162,7 @@ def main() -> None:
                 max(r[run]["sent"] for r in results),
             ))  # fmt: skip
     header = (f"{'run':<28}{'world':>6}{'step ms':>10}{'tokens/s':>11}{'vs serial':>10}"
-              f"{'state/rank':>13}{'comm buffer':>13}{'sent/step':>12}")  # fmt: skip
+              f"{'state/rank':>13}{'comm buffer':>13}{'comm/step':>12}")  # fmt: skip
     print(header)
     for r in rows:
         print(f"{r.run:<28}{r.world:>6}{r.step_ms:>10.1f}{r.tokens_per_s:>11,.0f}"

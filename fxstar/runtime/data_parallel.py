@@ -56,7 +56,7 @@ class ChunkGroups:
             )
         self.mem_saving = mem_saving
         self.peak_buffer_bytes = 0  # the largest communication buffer a collective used
-        self.bytes_sent = 0  # gradients and parameters this rank put on the wire (approx.)
+        self.bytes_sent = 0  # bytes of the input tensors this rank handed to collectives
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.size
@@ -74,7 +74,7 @@ class ChunkGroups:
         return (
             f"data parallel: rank {self.rank} of {self.size}, owns every chunk i with "
             f"i mod {self.size} == {self.rank} ({way}); largest communication buffer "
-            f"{self.peak_buffer_bytes:,} bytes, {self.bytes_sent:,} bytes sent"
+            f"{self.peak_buffer_bytes:,} bytes, {self.bytes_sent:,} bytes through collectives"
         )
 
     # -- collectives, each named in errors --------------------------------------------------------
@@ -133,7 +133,7 @@ class ChunkGroups:
                 for owner, home in enumerate(homes):
                     if home.numel():
                         dist.broadcast(home, src=owner, group=self.pg)
-                        self.bytes_sent += home.nbytes if owner == self.rank else 0
+                        self.bytes_sent += home.nbytes
             return
         like = next(h for h in homes if h.numel())
         flat = self._buffer((self.size + 1) * chunk_size, like.dtype, like.device)
