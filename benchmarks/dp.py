@@ -13,8 +13,9 @@ Columns: step time (median of the timed steps, the slowest rank's), tokens/s ove
 its ratio to serial; model-state bytes per rank (fxstar: the chunk homes, gradient buffers and
 moments the engine allocated for its rank, `ChunkLayout.host_bytes`; FSDP2: its local shards of
 parameters, gradients and the two moments); the largest communication buffer and the bytes a
-rank handed to collectives per step (its tensors' sizes, not what the ring moved). On a 2-core CPU the ranks share the cores, so tokens/s does not scale with
-N here: the ratios say what the communication and bookkeeping cost, the bytes are exact.
+rank handed to collectives per step (its tensors' sizes, not what the ring moved). On a
+2-core CPU the ranks share the cores, so tokens/s does not scale with N here: the ratios say
+what the communication and bookkeeping cost, the bytes are exact.
 
     python benchmarks/dp.py
     python benchmarks/dp.py --worlds 2,4 --layers 4 --width 256 --json dp.json

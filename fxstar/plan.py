@@ -632,7 +632,9 @@ class Plan:
     )  # fmt: skip
     fake_dist: bool = _option(
         False, check=_boolean, feature=_DIST,
-        doc="Lay chunks out as for data parallel but run on one process (for tests).",
+        doc="N data-parallel ranks share one device (PatrickStar's use_fake_dist): each gets "
+        "1/N of device_memory, to try a layout for N devices on one (on CPU: N processes on "
+        "one machine).",
     )  # fmt: skip
     tensor_parallel: TensorParallelConfig | None = _option(
         None, check=_group(TensorParallelConfig, optional=True),

@@ -37,7 +37,7 @@ BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='au
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
                  "async_mem_monitor", "overlap_grad_copies", "grads_in_host", "host_memory",
-                 "overall_cpu_mem_ratio", "overall_gpu_mem_ratio")  # fmt: skip
+                 "overall_cpu_mem_ratio", "overall_gpu_mem_ratio", "fake_dist")  # fmt: skip
 
 
 class ChunkLayoutError(FxstarError, ValueError):
@@ -67,7 +67,23 @@ def budget_bytes(program: Program) -> int | None:
     device_memory='auto' is the budget chunk_layout settled on for the engine."""
     if program.plan.device_memory == "auto":
         return program.shared[BUDGET_KEY]
-    return program.plan.resolve_size("device_memory", program.param_bytes)
+    budget = program.plan.resolve_size("device_memory", program.param_bytes)
+    return budget // fake_ranks(program.plan)
+
+
+def fake_ranks(plan) -> int:
+    """fake_dist: the data-parallel ranks that share one device, each with its part of the
+    budget (1 without it)."""
+    if not plan.fake_dist:
+        return 1
+    ranks = data_parallel_size(plan)
+    if ranks == 1:
+        raise ChunkLayoutError(
+            "fake_dist: gives each of N data-parallel ranks on one device 1/N of device_memory; "
+            "this process is not one of several ranks: launch N of them (torchrun "
+            "--nproc-per-node N) or drop fake_dist"
+        )
+    return ranks
 
 
 def nonmodel_peak(program: Program) -> int:
@@ -278,7 +294,7 @@ def auto_budget(program: Program, smallest: BudgetNeed) -> int:
     device = program.compute_device()  # the plan's, not the (host or meta) model's
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        return int(total * program.plan.overall_gpu_mem_ratio)
+        return int(total * program.plan.overall_gpu_mem_ratio) // fake_ranks(program.plan)
     return smallest.device_memory
 
 

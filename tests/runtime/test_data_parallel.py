@@ -19,6 +19,7 @@ import torch
 from conftest import SEQ, VOCAB
 
 import fxstar
+import fxstar.passes.chunk_layout
 from fxstar.dist_launch import spawn
 from fxstar.errors import CollectiveError
 from fxstar.plan import Plan
@@ -327,3 +328,23 @@ def test_checkpoint_saved_at_world_2_resumes_at_world_1_and_2(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_saved_at_world_2_resumes_at_world_4(tmp_path):
     check_resumes(tmp_path / "ckpt", [4])
+
+
+def _fake_dist_budgets(rank: int, world: int) -> tuple[int, int]:
+    (ids, targets), *_ = batches(world)
+    example = (ids[:PER_RANK], targets[:PER_RANK])
+    least = fxstar.compile(gpt(), Plan(chunk_size=4096, device_memory="auto"),
+                           example_inputs=example).chunks.budget  # fmt: skip
+    plan = Plan(chunk_size=4096, device_memory=world * least, fake_dist=True)
+    engine = fxstar.compile(gpt(), plan, example_inputs=example)
+    engine(*example).backward()
+    engine.step()
+    return least, engine.chunks.budget
+
+
+def test_fake_dist_gives_each_rank_its_part_of_the_budget():
+    for least, budget in spawn(_fake_dist_budgets, 2):
+        assert budget == least
+    with pytest.raises(fxstar.passes.chunk_layout.ChunkLayoutError, match="fake_dist"):
+        fxstar.compile(gpt(), Plan(device_memory="1MiB", fake_dist=True),
+                       example_inputs=batches(1)[0])  # fmt: skip
