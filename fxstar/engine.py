@@ -648,6 +648,7 @@ class Engine(nn.Module):
             lines.append(self._weights_line)
         if self.chunks is not None:
             lines.append(self.chunks.report())
+            lines.append(placement.describe_host(self.plan, program.decisions.chunk_plan))
             lines.append(program.decisions.chunk_plan.describe().splitlines()[0])
             observed = program.decisions.chunk_observed
             if observed is not None:

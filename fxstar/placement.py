@@ -67,11 +67,9 @@ def host_budget(plan: Any) -> tuple[int, str]:
     return int(ratio * total / max(local, 1)), where
 
 
-def check_host_budget(plan: Any, chunk_plan: ChunkPlan) -> int:
-    """Before the chunk homes are allocated: what they, their optimizer state and (on a
-    CPU-only machine) the arena take on the host must fit the host budget: a model too large
-    for the host is a clear error at compile, not the kernel's OOM killer mid-step. Returns
-    the bytes the chunk engine will take."""
+def host_need(plan: Any, chunk_plan: ChunkPlan) -> tuple[int, int]:
+    """What the chunk engine takes on the host: (chunk homes and optimizer state, the arena
+    where it lives on the host: a CPU-only machine)."""
     layout = chunk_plan.layout
     low_precision = layout.dtype != torch.float32
     need = layout.host_bytes(
@@ -80,6 +78,27 @@ def check_host_budget(plan: Any, chunk_plan: ChunkPlan) -> int:
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
     )  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
+    return need, arena
+
+
+def describe_host(plan: Any, chunk_plan: ChunkPlan) -> str:
+    """The report's line: the chunk engine's host memory against the host budget."""
+    need, arena = host_need(plan, chunk_plan)
+    budget, source = host_budget(plan)
+    return (
+        f"host memory: {format_size(need)} for chunk homes and optimizer state"
+        + (f" and {format_size(arena)} for the arena" if arena else "")
+        + f", of a host budget of {format_size(budget)} ({source})"
+    )
+
+
+def check_host_budget(plan: Any, chunk_plan: ChunkPlan) -> int:
+    """Before the chunk homes are allocated: what they, their optimizer state and (on a
+    CPU-only machine) the arena take on the host must fit the host budget: a model too large
+    for the host is a clear error at compile, not the kernel's OOM killer mid-step. Returns
+    the bytes the chunk engine will take."""
+    layout = chunk_plan.layout
+    need, arena = host_need(plan, chunk_plan)
     budget, source = host_budget(plan)
     if need + arena > budget:
         params = sum(c.used for c in layout.chunks)

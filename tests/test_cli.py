@@ -37,9 +37,9 @@ def test_plan_prints_the_estimate(capsys):
 
 def test_plan_file_and_errors(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"fake_dist": True}))
+    plan.write_text(json.dumps({"release_after_init": True}))
     assert main(["dump", TINY, "--plan", str(plan)]) == 2
-    assert "'fake_dist' is not implemented" in capsys.readouterr().err
+    assert "'release_after_init' is not implemented" in capsys.readouterr().err
     plan.write_text(json.dumps({"device_memroy": "1GiB"}))
     assert main(["plan", TINY, "--plan", str(plan)]) == 2
     assert "did you mean 'device_memory'" in capsys.readouterr().err

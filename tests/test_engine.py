@@ -156,8 +156,8 @@ def test_accumulation_and_clipping():
 
 
 def test_unimplemented_plan_options_are_refused():
-    with pytest.raises(NotImplementedError, match="fake_dist"):
-        compile(tiny_gpt(), Plan(fake_dist=True))
+    with pytest.raises(NotImplementedError, match="release_after_init"):
+        compile(tiny_gpt(), Plan(release_after_init=True))
 
 
 def test_report_mentions_parameters_and_memory():

@@ -9,6 +9,7 @@ from conftest import example, tiny_gpt, tokens
 from fxstar import HostMemoryError, placement
 from fxstar.engine import compile
 from fxstar.plan import Plan
+from fxstar.sizes import format_size
 
 OPT = {"type": "adamw", "lr": 1e-3}
 
@@ -66,6 +67,10 @@ def test_a_fitting_model_compiles_under_its_exact_need():
     plan = Plan(device_memory="auto", optimizer=OPT, hybrid_adam=False)
     engine = compile(tiny_gpt(), plan, **example("gpt", *tokens()))
     need = placement.check_host_budget(plan, engine.program.decisions.chunk_plan)
+    homes, arena = placement.host_need(plan, engine.program.decisions.chunk_plan)
+    assert homes + arena == need
+    line = f"host memory: {format_size(homes)} for chunk homes and optimizer state and "
+    assert line + f"{format_size(arena)} for the arena, of a host budget" in engine.report()
     exact = Plan(device_memory="auto", optimizer=OPT, hybrid_adam=False, host_memory=need)
     torch.manual_seed(0)
     compile(tiny_gpt(), exact, **example("gpt", *tokens()))(*tokens()).backward()

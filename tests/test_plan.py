@@ -406,27 +406,27 @@ def test_check_implemented():
 def test_a_registered_pass_declares_the_options_it_implements():
     from fxstar import passes
 
-    class FakeDist(passes.Pass):
-        name = "t_fake_dist"
-        implements = ("fake_dist", "loss_scale.hysteresis")
+    class ReleaseAfterInit(passes.Pass):
+        name = "t_release_after_init"
+        implements = ("release_after_init", "loss_scale.hysteresis")
 
-    plan = Plan(fake_dist=True)
-    with pytest.raises(NotImplementedError, match="fake_dist"):
+    plan = Plan(release_after_init=True)
+    with pytest.raises(NotImplementedError, match="release_after_init"):
         plan.check_implemented()
-    passes.register(FakeDist)
+    passes.register(ReleaseAfterInit)
     try:
         plan.check_implemented()
         Plan(loss_scale={"hysteresis": 3}).check_implemented()
     finally:
-        passes.unregister("t_fake_dist")
-    with pytest.raises(NotImplementedError, match="fake_dist"):
+        passes.unregister("t_release_after_init")
+    with pytest.raises(NotImplementedError, match="release_after_init"):
         plan.check_implemented()  # gone with its pass
 
     class Misspelt(passes.Pass):
         name = "t_misspelt"
-        implements = ("fake_dst",)
+        implements = ("release_after_int",)
 
-    with pytest.raises(PlanError, match="pass 't_misspelt'.*did you mean 'fake_dist'"):
+    with pytest.raises(PlanError, match="pass 't_misspelt'.*did you mean 'release_after_init'"):
         passes.register(Misspelt)
     assert "t_misspelt" not in passes.registered()
 
@@ -463,7 +463,7 @@ def test_plan_errors_are_fxstar_errors_and_value_errors():
     assert isinstance(info.value, FxstarError) and isinstance(info.value, ValueError)
     assert PlanError is plan_module.PlanError  # re-exported where it always was
     with pytest.raises(OptionNotImplementedError) as refused:
-        Plan(fake_dist=True).check_implemented(set())
+        Plan(release_after_init=True).check_implemented(set())
     assert isinstance(refused.value, FxstarError)
     assert isinstance(refused.value, NotImplementedError)
 

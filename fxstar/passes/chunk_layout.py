@@ -68,7 +68,7 @@ def budget_bytes(program: Program) -> int | None:
     if program.plan.device_memory == "auto":
         return program.shared[BUDGET_KEY]
     budget = program.plan.resolve_size("device_memory", program.param_bytes)
-    return budget // fake_ranks(program.plan)
+    return None if budget is None else budget // fake_ranks(program.plan)
 
 
 def fake_ranks(plan) -> int:

@@ -79,8 +79,15 @@ CASES = {
     "sgd": ({**CHUNKS, "optimizer": {"type": "sgd", "lr": 0.5}}, "gpt", 0.0),
     "dropout": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt", 0.1),
     # room to spare: HybridAdam keeps some of each rank's own chunks on the compute tier
-    "hybrid keeps chunks": ({"chunk_size": 4096, "device_memory": "8MiB",
-                             "optimizer": {"lr": 1e-2, "clip_grad_norm": 0.5}}, "gpt", 0.0),
+    "hybrid keeps chunks": (
+        {
+            "chunk_size": 4096,
+            "device_memory": "8MiB",
+            "optimizer": {"lr": 1e-2, "clip_grad_norm": 0.5},
+        },
+        "gpt",
+        0.0,
+    ),
 }
 # at lr 1e-3: Adam makes an update of the learning rate's size out of a gradient that is
 # rounding noise (an element near zero), which the ranks' summation order changes
