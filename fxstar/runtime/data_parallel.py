@@ -102,16 +102,22 @@ class ChunkGroups:
             dist.all_reduce(stats, group=self.pg)
         return float(stats[0]), bool(stats[1] == 0)
 
+    def _one_per_owner(self, tensors: list[torch.Tensor], collective, what: str) -> None:
+        """`collective(tensor, owner)` for each tensor of a group, in place: one chunk's room
+        at a time, no buffer (PatrickStar's memory-saving communication)."""
+        with self._guard(what):
+            for owner, tensor in enumerate(tensors):
+                if tensor.numel():
+                    collective(tensor, owner, group=self.pg)
+                    self.bytes_sent += tensor.nbytes
+
     def reduce_group(self, grads: list[torch.Tensor], chunk_size: int) -> torch.Tensor | None:
         """Sum the group's gradients (one a rank's chunk, each `used` long, `grads[i]` owned by
         rank i) and hand back this rank's own sum (None when it owns a padding chunk)."""
         mine = grads[self.rank]
-        if self.mem_saving:
-            with self._guard("reducing gradients to their owner"):
-                for owner, grad in enumerate(grads):
-                    if grad.numel():
-                        dist.reduce(grad, dst=owner, group=self.pg)
-                        self.bytes_sent += grad.nbytes
+        if self.mem_saving:  # gloo's reduce overwrites the input of the other ranks: they
+            # drop their gradients anyway (reduce_to_owners gives their rooms back)
+            self._one_per_owner(grads, dist.reduce, "reducing gradients to their owner")
             return mine if mine.numel() else None
         like = next(g for g in grads if g.numel())
         flat = self._buffer((self.size + 1) * chunk_size, like.dtype, like.device)
@@ -129,11 +135,7 @@ class ChunkGroups:
     def gather_group(self, homes: list[torch.Tensor], chunk_size: int) -> None:
         """Every rank's `homes[i]` becomes owner i's (each `used` long, fp32)."""
         if self.mem_saving:
-            with self._guard("broadcasting updated parameters from their owner"):
-                for owner, home in enumerate(homes):
-                    if home.numel():
-                        dist.broadcast(home, src=owner, group=self.pg)
-                        self.bytes_sent += home.nbytes
+            self._one_per_owner(homes, dist.broadcast, "broadcasting updates from their owner")
             return
         like = next(h for h in homes if h.numel())
         flat = self._buffer((self.size + 1) * chunk_size, like.dtype, like.device)
