@@ -22,7 +22,8 @@ class ChunkStats:
     prefetch_hits: int = 0
     cache_hits: int = 0
     unexpected_accesses: int = 0
-    copy_seconds: float = 0.0
+    copy_seconds: float = 0.0  # chunk moves and gradient copies through Residency.copy
+    copy_bytes: int = 0  # the bytes those copies moved: their achieved bandwidth
     grad_copy_seconds: float = 0.0  # gradient copies to their buffers, however they ran
     grad_wait_seconds: float = 0.0  # of that, what backward's end still had to wait for
     steps: int = 0
@@ -32,6 +33,12 @@ class ChunkStats:
     )
     moved_bytes_total: int = 0
     training_steps: int = 0
+
+    def copy_gbps(self) -> float | None:
+        """Bytes per second of the timed copies, in GB/s; None before any copy."""
+        if self.copy_seconds <= 0 or self.copy_bytes == 0:
+            return None
+        return self.copy_bytes / self.copy_seconds / 1e9
 
     def end_step(self, moved: int) -> None:
         self.per_step_bytes.append(moved)

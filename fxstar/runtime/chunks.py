@@ -454,6 +454,11 @@ class ChunkManager:
             f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
             f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
         ]
+        gbps = st.copy_gbps()
+        if gbps is not None:
+            lines.append(
+                f"chunk moves and gradient copies: {st.copy_bytes:,} bytes at {gbps:.1f} GB/s"
+            )
         overlap = self.grad_copy_overlap()
         if overlap is not None:
             lines.append(

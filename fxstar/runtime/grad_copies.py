@@ -22,6 +22,7 @@ from torch import nn
 from fxstar.errors import FxstarError
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.residency import Residency
+from fxstar.runtime.tier_copy import copy_payload
 
 
 class GradientConsumedError(FxstarError, RuntimeError):
@@ -157,7 +158,7 @@ class GradAccumulator:
 
     def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         start = time.perf_counter()
-        dst.copy_(src)
+        copy_payload(dst, src)
         self.residency.stats.grad_copy_seconds += time.perf_counter() - start
 
     def _copy_on_stream(

@@ -25,6 +25,7 @@ from fxstar.errors import FxstarError
 from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
+from fxstar.runtime.tier_copy import copy_payload
 from fxstar.runtime.tracer import MemoryTracer
 
 if TYPE_CHECKING:
@@ -349,8 +350,9 @@ class Residency:
             if to_host:
                 event.synchronize()  # the host reads it right away
         else:
-            dst.copy_(src)
+            copy_payload(dst, src)
         self.stats.copy_seconds += time.perf_counter() - start
+        self.stats.copy_bytes += nbytes
         if to_host:
             if dst.device != src.device:
                 self.stats.bytes_to_host += nbytes
