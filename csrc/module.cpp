@@ -92,6 +92,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("address", &fxstar::HostBuffer::address)
       .def_property_readonly("huge_pages", &fxstar::HostBuffer::huge_pages);
 
+  m.def("host_bytes_in_use", &fxstar::host_bytes_in_use,
+        "Bytes of every HostBuffer allocation alive now (as requested, before alignment).");
   m.def("max_threads", &fxstar::max_threads,
         "The most threads a kernel runs: a larger num_threads is clamped to this (4 per hardware "
         "thread); num_threads < 1 is a ValueError.");
