@@ -106,3 +106,18 @@ def test_chunk_moves_go_through_the_core_copy_and_report_their_bandwidth(monkeyp
     assert len(calls) == 3 + 1  # three loads (Belady keeps chunk 0), one gradient
     assert m.stats.copy_bytes == 4 * layout.chunk_bytes
     assert f"chunk moves and gradient copies: {4 * layout.chunk_bytes:,} bytes at" in m.report()
+
+
+def test_the_report_gives_the_gradient_copies_share_of_a_training_step():
+    m = manager(1, resident=1)
+    for _ in range(2):  # a step ends when the next one begins
+        with m.running(AccessPlan([0, 0], ["forward", "backward"], [0, 0], [1, 1])):
+            w = m.fetch(0)["p0"]
+            m.release(0)
+            (w * w).sum().backward()  # w is saved: backward fetches the chunk again
+        m.zero_grad()
+    st = m.stats
+    assert st.training_steps == 1 and st.training_seconds > 0
+    assert 0 < st.grad_copy_share() < 1
+    assert st.training_grad_copy_seconds <= st.grad_copy_seconds
+    assert "gradient copies into the chunks' buffers:" in m.report()
