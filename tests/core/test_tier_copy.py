@@ -91,3 +91,16 @@ def test_copy_payload_of_leaves_that_require_grad():
     dst = torch.zeros(1 << 16)
     tier_copy.copy_payload(dst, src)
     assert torch.equal(dst, src.detach())
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_streaming_copy_at_unaligned_offsets(threads):
+    """From 8 MiB on the copy streams, a cache line at a time: a destination that starts and
+    ends off a line boundary gets its head and tail copied too, and nothing beside it."""
+    numel = (9 << 20) + 7  # bf16: 18 MiB and 14 bytes
+    src = torch.randn(numel + 3).to(torch.bfloat16)[3:]
+    room = torch.zeros(numel + 2, dtype=torch.bfloat16)
+    dst = room[1:-1]
+    _C.copy_into(dst, src, num_threads=threads)
+    assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    assert room[0] == 0 and room[-1] == 0
