@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -94,9 +95,13 @@ class CopyHelpers {
   void post(const std::shared_ptr<CopyJob>& job) {
     std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
     if (!lock.owns_lock()) return;
-    while (static_cast<int>(threads_) < job->helpers) {
-      std::thread(&CopyHelpers::serve, this).detach();
-      ++threads_;
+    try {
+      while (static_cast<int>(threads_) < job->helpers) {
+        std::thread(&CopyHelpers::serve, this).detach();
+        ++threads_;
+      }
+    } catch (const std::system_error&) {
+      // no more threads to be had (a process limit): those there are, or the caller alone
     }
     job_ = job;
     ++generation_;
