@@ -11,9 +11,9 @@ gradient are state nothing else writes).
 Why a copy, and not autograd accumulating into the buffer itself: with the leaf's `.grad`
 unset, AccumulateGrad steals the incoming gradient (no copy of its own), so this path costs one
 copy, 8 bytes of traffic per fp32 element. Presetting `.grad` to the buffer's view would make
-AccumulateGrad add in place instead (12 bytes) into a buffer zeroed first (4 more): measured at
-1.36x the copy's time for 85M fp32 parameters. The copy runs in fxstar._C (tier_copy), and
-the report gives its share of a training step.
+AccumulateGrad add in place instead (12 bytes) into a buffer zeroed first (4 more): 2.4x the
+copy's time for 85M fp32 parameters (benchmarks/grad_copies.py). The copy runs in fxstar._C
+(tier_copy; torch's copy_ took 1.9x as long), and the report gives its share of a step.
 """
 
 from __future__ import annotations
