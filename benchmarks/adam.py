@@ -25,7 +25,7 @@ from fxstar.runtime import cpu_adam
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 LOSS_SCALE, MAX_NORM = 1024.0, 1.0
-TARGETS = {"fp32_share": 0.95, "fp32_vs_torch": 1.0, "mixed_vs_torch": 1.3, "from_size": 16 << 20}
+TARGETS = {"fp32_share": 0.95, "fp32_vs_torch": 1.1, "mixed_vs_torch": 1.3, "from_size": 16 << 20}
 
 
 @dataclass
@@ -185,21 +185,29 @@ BASELINES = {
 
 
 def bench_size(n: int, threads: int, rounds: int) -> list[Row]:
+    """Each round times every operation once, each between two runs of the roofline; a row's
+    share compares it with the geometric mean of the two runs around it (unbiased under a
+    linear drift; the minimum of the two, used before, flattered the roofline by its noise)."""
     ops, nbytes = kernels_for(n, threads)
     for fn in ops.values():  # first touch and warm-up
         fn()
-    times: dict[str, list[float]] = {name: [] for name in ops}
     roof = "roofline (adam_traffic)"
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    around: dict[str, list[float]] = {name: [] for name in ops}  # the roofline beside each time
     for _ in range(rounds):
+        before = timed(ops[roof])
         for name, fn in ops.items():
+            if name == roof:
+                continue
             times[name].append(timed(fn))
-        times[roof].append(timed(ops[roof]))  # bracket the round with the roofline
-    roof_rounds = [min(a, b) for a, b in zip(times[roof][0::2], times[roof][1::2])]
+            after = timed(ops[roof])
+            around[name].append((before * after) ** 0.5)
+            times[roof].append(after)
+            before = after
+    around[roof] = times[roof]
     rows = []
     for name, ts in times.items():
-        if name == roof:
-            ts = roof_rounds
-        shares = [(nbytes[name] / t) / (nbytes[roof] / r) for t, r in zip(ts, roof_rounds)]
+        shares = [(nbytes[name] / t) / (nbytes[roof] / r) for t, r in zip(ts, around[name])]
         row = Row(
             size=n,
             name=name,
@@ -227,7 +235,9 @@ def print_table(rows: list[Row]) -> None:
             f"{r.size / (1 << 20):>8.0f}M {r.name:<50} {r.seconds * 1e3:>8.2f} {r.gbps:>7.1f} "
             f"{r.roofline_share:>6.0%} {speed:>8}"
         )
-    print("roof: share of the Adam-shaped bandwidth measured in the same round; speedup: against")
+    print(
+        "roof: share of the Adam-shaped bandwidth measured just before and after; speedup: against"
+    )
     print("torch fused AdamW (fp32) or the fastest torch composition of the same mixed step.")
 
 
@@ -241,7 +251,7 @@ def check_targets(rows: list[Row]) -> list[str]:
             ok = r.roofline_share >= TARGETS["fp32_share"] and r.speedup >= TARGETS["fp32_vs_torch"]
             lines.append(
                 f"{'PASS' if ok else 'MISS'} fp32 at {r.size >> 20}M: {r.roofline_share:.0%} of "
-                f"roofline (>= 95%), {r.speedup:.2f}x torch fused (>= 1.0x)"
+                f"roofline (>= 95%), {r.speedup:.2f}x torch fused (>= 1.1x)"
             )
         else:
             ok = r.speedup >= TARGETS["mixed_vs_torch"]

@@ -19,13 +19,6 @@ void require(bool ok, const std::string& msg) {
   if (!ok) throw py::value_error(msg);
 }
 
-// At least 1; a larger request than max_threads() is clamped to it, since OpenMP would try to
-// start every thread asked for (100000 crash the process, 2**31-1 abort it in libgomp).
-int checked_threads(int64_t num_threads) {
-  require(num_threads >= 1, "num_threads: must be at least 1, got " + std::to_string(num_threads));
-  return static_cast<int>(std::min<int64_t>(num_threads, max_threads()));
-}
-
 // The kernels compute in float32: a hyperparameter that is finite as a double but not as a
 // float (lr=1e300) would still make every parameter inf or NaN.
 bool finite_f32(double x) { return std::isfinite(x) && std::isfinite(static_cast<float>(x)); }
@@ -58,6 +51,11 @@ void require_disjoint_from_state(const TensorArg& t, const AdamState& s) {
 }
 
 }  // namespace
+
+int checked_threads(int64_t num_threads) {
+  require(num_threads >= 1, "num_threads: must be at least 1, got " + std::to_string(num_threads));
+  return static_cast<int>(std::min<int64_t>(num_threads, max_threads()));
+}
 
 int max_threads() {
   const unsigned cores = std::thread::hardware_concurrency();

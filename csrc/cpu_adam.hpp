@@ -13,6 +13,9 @@ namespace fxstar {
 // grad_stats' sum), so clamping changes nothing but the time.
 constexpr int kThreadsPerCore = 4;
 int max_threads();  // kThreadsPerCore x the hardware threads (at least 1 of them)
+// At least 1 (a ValueError below); a larger request than max_threads() is clamped to it, since
+// OpenMP would try to start every thread asked for (100000 crash the process, 2**31-1 abort it).
+int checked_threads(int64_t num_threads);
 
 void adam_step(pybind11::handle param, pybind11::handle grad, pybind11::handle exp_avg,
                pybind11::handle exp_avg_sq, double lr, double beta1, double beta2, double eps,

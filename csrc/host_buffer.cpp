@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -18,6 +19,8 @@ namespace {
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kHugePage = 2u << 20;
 constexpr uint64_t kHugeThreshold = 32u << 20;
+
+std::atomic<uint64_t> live_bytes{0};  // requested bytes of every HostAllocation alive
 
 // What a DLPack capsule owns: the tensor description plus a share of the allocation, so the
 // memory outlives the HostBuffer for as long as any torch tensor views it.
@@ -62,9 +65,15 @@ HostAllocation::HostAllocation(uint64_t nbytes_, uint64_t alignment_, bool zero)
   data = p;
   nbytes = nbytes_;
   alignment = alignment_;
+  live_bytes += nbytes;
 }
 
-HostAllocation::~HostAllocation() { std::free(data); }
+HostAllocation::~HostAllocation() {
+  std::free(data);
+  live_bytes -= nbytes;
+}
+
+uint64_t host_bytes_in_use() { return live_bytes.load(); }
 
 HostBuffer::HostBuffer(int64_t nbytes, uint64_t alignment, bool zero) {
   if (nbytes < 0) {

@@ -19,6 +19,10 @@ struct HostAllocation {
   bool huge_pages = false;
 };
 
+// The bytes of all host buffers alive now (as requested, before alignment): what the host tier
+// holds, and how a test sees a buffer really given back.
+uint64_t host_bytes_in_use();
+
 class HostBuffer {
  public:
   // `alignment` 0 picks 4 KiB, or 2 MiB (with transparent huge pages advised) for large buffers.

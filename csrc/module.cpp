@@ -7,6 +7,7 @@
 #include "cpu_adam.hpp"
 #include "host_buffer.hpp"
 #include "kernels/dispatch.hpp"
+#include "tier_copy.hpp"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -33,7 +34,7 @@ py::dict stats_dict(const fxstar::ArenaStats& s) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fxstar's compiled core: the arena allocator, host buffers and the CPU Adam kernels.";
+  m.doc() = "fxstar's compiled core: the arena allocator, host buffers, copies between them and the CPU Adam kernels.";
 
   // A MemoryError subclass that carries the numbers, so callers can react without parsing text.
   static py::handle oom_type = PyErr_NewExceptionWithDoc(
@@ -91,6 +92,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("address", &fxstar::HostBuffer::address)
       .def_property_readonly("huge_pages", &fxstar::HostBuffer::huge_pages);
 
+  m.def("host_bytes_in_use", &fxstar::host_bytes_in_use,
+        "Bytes of every HostBuffer allocation alive now (as requested, before alignment).");
   m.def("max_threads", &fxstar::max_threads,
         "The most threads a kernel runs: a larger num_threads is clamped to this (4 per hardware "
         "thread); num_threads < 1 is a ValueError.");
@@ -110,6 +113,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("adam_traffic", &fxstar::adam_traffic, "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a,
         py::kw_only(), "num_threads"_a, "variant"_a = "",
         "Adam's memory traffic with trivial arithmetic: the bandwidth roofline for benchmarks.");
+  m.def("copy_into", &fxstar::copy_into, "dst"_a, "src"_a, py::kw_only(), "num_threads"_a,
+        "dst <- src between host buffers of one dtype and size (both contiguous, not "
+        "overlapping), with the GIL released: the caller and up to num_threads - 1 helper "
+        "threads take 1 MiB blocks from one counter; a TypeError or ValueError names the "
+        "argument that does not fit.");
   m.def("available_variants", [] {
     std::vector<std::string> names;
     for (auto* v : fxstar::available_variants()) names.emplace_back(v->name);

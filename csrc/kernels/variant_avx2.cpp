@@ -1,6 +1,7 @@
 // The avx2 build of the kernels; its instruction-set flags are set in CMakeLists.txt.
 #include <algorithm>
 #include <cmath>
+#include <omp.h>
 #include <type_traits>
 
 #include "kernels.hpp"

@@ -1,6 +1,7 @@
 // The portable build of the kernels; its instruction-set flags are set in CMakeLists.txt.
 #include <algorithm>
 #include <cmath>
+#include <omp.h>
 #include <type_traits>
 
 #include "kernels.hpp"

@@ -470,6 +470,18 @@ class ChunkManager:
             f"evictions {st.evictions}, loads {st.loads}, prefetch hits {st.prefetch_hits}, "
             f"cache hits {st.cache_hits}, time in copies {st.copy_seconds:.3f}s",
         ]
+        gbps = st.copy_gbps()
+        if gbps is not None:
+            lines.append(
+                f"chunk moves and gradient copies: {st.copy_bytes:,} bytes at {gbps:.1f} GB/s"
+            )
+        share = st.grad_copy_share()
+        if share is not None:
+            per_step = st.training_grad_copy_seconds / max(st.training_steps, 1)
+            lines.append(
+                f"gradient copies into the chunks' buffers: {per_step * 1e3:.1f} ms a training "
+                f"step, {share:.1%} of its wall time"
+            )
         overlap = self.grad_copy_overlap()
         if overlap is not None:
             lines.append(

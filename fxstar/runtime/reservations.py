@@ -15,6 +15,7 @@ import torch
 from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.grad_copies import GradAccumulator
 from fxstar.runtime.residency import ChunkBudgetError, ChunkState, Residency
+from fxstar.runtime.tier_copy import copy_payload
 
 
 class ReservedBlocks:
@@ -104,16 +105,16 @@ class Reservations:
             residency.load(chunk, offset, ChunkState.HOLD)
         used = slice(0, chunk.used)
         if grad is not None:
-            grad[used].copy_(chunk.host_grad[used])
+            copy_payload(grad[used], chunk.host_grad[used])
             chunk.host_grad = grad
             chunk.grads_in_host = False  # its gradients live beside it on the compute tier now
             chunk.grad_slots.clear()
         home = residency.chunk_view(chunk)
         if master is not None:
-            master[used].copy_(chunk.master[used])
+            copy_payload(master[used], chunk.master[used])
             chunk.master = home = master
         else:  # the host home is the latest (a resident copy may predate an optimizer step)
-            home[used].copy_(chunk.host[used])
+            copy_payload(home[used], chunk.host[used])
         for slot in chunk.slots:
             stable = residency.stable[slot.name]
             stable.data = home[slot.offset : slot.offset + slot.numel].view(slot.shape)

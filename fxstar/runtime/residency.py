@@ -25,6 +25,7 @@ from fxstar.errors import FxstarError
 from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
+from fxstar.runtime.tier_copy import copy_payload
 from fxstar.runtime.tracer import MemoryTracer
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class Residency:
         self.cursor = 0
         self.recorded: list[tuple[int, str]] = []  # this step's accesses: chunk, phase
         self.step_bytes = 0  # bytes moved host->compute in this step
+        self.step_started = 0.0  # perf_counter() at this step's first access
 
     def begin_step(self, plan: AccessPlan) -> None:
         """Follow `plan` from its first access; what the last step moved is counted."""
@@ -170,8 +172,10 @@ class Residency:
             if chunk.state is S.COMPUTE:
                 chunk.pins = 0
                 chunk.move(S.HOLD_AFTER_FWD)
+        now = time.perf_counter()
         if any(phase == "backward" for _, phase in self.recorded):  # a training step ended
-            self.stats.end_step(self.step_bytes)
+            self.stats.end_step(self.step_bytes, now - self.step_started)
+        self.step_started = now
         self.step_bytes = 0
         self.stats.steps += 1
         self.plan = plan
@@ -349,8 +353,9 @@ class Residency:
             if to_host:
                 event.synchronize()  # the host reads it right away
         else:
-            dst.copy_(src)
+            copy_payload(dst, src)
         self.stats.copy_seconds += time.perf_counter() - start
+        self.stats.copy_bytes += nbytes
         if to_host:
             if dst.device != src.device:
                 self.stats.bytes_to_host += nbytes

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fxstar.runtime import tier_copy
 from fxstar.runtime.chunks import Chunk, ChunkBudgetError, ChunkManager, ChunkState
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 
@@ -78,3 +79,45 @@ def test_gradients_land_in_the_host_buffer_of_the_stable_parameter():
     assert torch.equal(stable.grad, torch.full((8, 8), 3.0))
     assert stable.grad.data_ptr() == m.chunks[0].host_grad.data_ptr()
     assert w.grad is None
+
+
+def test_chunk_moves_go_through_the_core_copy_and_report_their_bandwidth(monkeypatch):
+    """Chunks large enough for `_C.copy_into`: their loads and gradient copies take it, move
+    the right bytes, and the report gives the bytes and the achieved GB/s."""
+    side = 128  # 64 KiB of fp32 per chunk: the core copy's smallest
+    specs = [ChunkSpec(i, [ParamSlot(f"p{i}", (f"p{i}",), i, 0, (side, side), True)], side**2)
+             for i in range(3)]  # fmt: skip
+    layout = ChunkLayout(side**2, torch.float32, specs)
+    params = {f"p{i}": torch.randn(side, side) for i in range(3)}
+    m = ChunkManager(
+        layout, params, budget=2 * layout.chunk_bytes, arena_capacity=2 * layout.chunk_bytes
+    )
+    calls = []
+    real = tier_copy._C.copy_into
+    monkeypatch.setattr(tier_copy._C, "copy_into", lambda *a, **k: (calls.append(a), real(*a, **k)))
+    with m.running(plan([0, 1, 2, 0])):
+        views = {}
+        for c in (0, 1, 2, 0):
+            views.update(m.fetch(c))
+            assert torch.equal(views[f"p{c}"], params[f"p{c}"])
+            m.release(c)
+        (views["p0"] * 2).sum().backward()
+    assert torch.equal(m.stable["p0"].grad, torch.full((side, side), 2.0))
+    assert len(calls) == 3 + 1  # three loads (Belady keeps chunk 0), one gradient
+    assert m.stats.copy_bytes == 4 * layout.chunk_bytes
+    assert f"chunk moves and gradient copies: {4 * layout.chunk_bytes:,} bytes at" in m.report()
+
+
+def test_the_report_gives_the_gradient_copies_share_of_a_training_step():
+    m = manager(1, resident=1)
+    for _ in range(2):  # a step ends when the next one begins
+        with m.running(AccessPlan([0, 0], ["forward", "backward"], [0, 0], [1, 1])):
+            w = m.fetch(0)["p0"]
+            m.release(0)
+            (w * w).sum().backward()  # w is saved: backward fetches the chunk again
+        m.zero_grad()
+    st = m.stats
+    assert st.training_steps == 1 and st.training_seconds > 0
+    assert 0 < st.grad_copy_share() < 1
+    assert st.training_grad_copy_seconds <= st.grad_copy_seconds
+    assert "gradient copies into the chunks' buffers:" in m.report()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import activation_budget, call, example, hf_llama, tiny_gpt, tokens
 
+from fxstar import _C
 from fxstar.engine import compile
 from fxstar.plan import Plan
 from fxstar.runtime.loss_scale import LossScaler
@@ -199,6 +200,22 @@ def test_bf16_chunks_kept_on_the_compute_tier_train_like_the_host_ones():
         kept = engine.chunks.chunks[engine.optimizer.device_chunks[0]]
         compute_copy = engine.chunks.chunk_view(kept)[: kept.used]
         assert torch.equal(compute_copy, kept.master[: kept.used].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_kept_chunks_give_their_host_moments_back(precision):
+    """Keeping a chunk on the compute tier moves its moments there; their host buffer (8 bytes
+    per parameter the chunk reaches) is freed, and nothing else on the host changes then."""
+    plan = Plan(precision=precision, device_memory=roomy("gpt"), optimizer=OPT, hybrid_adam=True)
+    engine = compile(gpt_without_biases(), plan, **example("gpt", *tokens()))
+    ids, targets = tokens(seed=0)
+    engine(ids, targets).backward()
+    assert isinstance(engine.optimizer, HybridAdam)  # made (host moments allocated) at first use
+    before = _C.host_bytes_in_use()
+    assert engine.step()  # the first training step chooses the device half
+    kept = [engine.chunks.chunks[i] for i in engine.optimizer.device_chunks]
+    assert kept and all(chunk.fixed for chunk in kept)
+    assert before - _C.host_bytes_in_use() == sum(8 * chunk.used for chunk in kept)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
