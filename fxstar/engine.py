@@ -467,7 +467,8 @@ class Engine(nn.Module):
         """This step's gradient of every parameter under the model's names: parts a pass cut
         (tiles, shards) glued back, and under bf16/fp16 read from the chunks' gradient
         buffers (the fp32 masters users see have no `.grad` there). Collective under tensor
-        parallel: every rank gathers the shards."""
+        parallel: every rank gathers the shards. Under data parallelism they are this rank's
+        own: the step reduces them to the chunks' owners (DeepSpeed's boundary)."""
         grads = {n: p.grad for n, p in self.store.named_parameters()}
         if self.chunks is not None and self.chunks.low_precision:
             slots = self.chunks.layout.slots()
