@@ -72,11 +72,7 @@ def _local_val(val: Any, dim: int, n: int) -> Any:
         return val
     shape = list(val.shape)
     shape[dim] //= n
-    mode = getattr(val, "fake_mode", None)
-    if mode is None:
-        return torch.empty(shape, dtype=val.dtype, device="meta")
-    with mode:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
+    return _shaped_val(val, tuple(shape))
 
 
 @register
@@ -159,9 +155,9 @@ class _Rewrite:
             self._replace_site(site)
         if s.vocab is not None:
             self._vocab(s.vocab)
-        self._boundaries(s.scatters, tp.scatter_to_seq, "scatter", -2)
-        self._boundaries(s.gathers, tp.gather_from_seq, "gather", -2)
-        self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce", None)
+        self._boundaries(s.scatters, tp.scatter_to_seq, "scatter")
+        self._boundaries(s.gathers, tp.gather_from_seq, "gather")
+        self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce")
         self._random_streams(s)
 
     # -- linears --------------------------------------------------------------------------------
@@ -274,20 +270,22 @@ class _Rewrite:
         for name in s.seq_random:
             node = self.nodes[name]
             node.target = rng_tracker.seq_dropout
-            node.kwargs = {**node.kwargs, "dim": -2, "group": self.group}
-            note(node, "rng", "sequence mask, own slice")
+            node.kwargs = {**node.kwargs, "group": self.group}
+            note(node, "rng", "sequence mask, own block")
 
     # -- collectives at the edges of the sequence-sharded region ---------------------------------
 
-    def _boundaries(self, edges, fn, label: str, dim: int | None) -> None:
-        made: dict[str, fx.Node] = {}
+    def _boundaries(self, edges, fn, label: str) -> None:
+        made: dict[tuple, fx.Node] = {}
         order = {node: i for i, node in enumerate(self.graph.nodes)}
         for edge in sorted(edges, key=lambda e: order[self.nodes[e.consumer]]):
             producer, consumer = self.nodes[edge.producer], self.nodes[edge.consumer]
-            new = made.get(edge.producer)
+            args: tuple = (producer,)
+            if label == "scatter":  # the block is cut from the tokens' shape
+                args = (producer, self._token_shape(edge))
+            new = made.get(args)
             if new is None:
                 kwargs = {"mem_saving": self.mem_saving, "group": self.group}
-                args = (producer,) if dim is None else (producer, dim)
                 with self.graph.inserting_before(consumer):
                     new = self.graph.create_node(
                         "call_function", fn, args, kwargs, name=f"{label}_{producer.name}"
@@ -295,20 +293,33 @@ class _Rewrite:
                 new.meta["nn_module_stack"] = consumer.meta.get("nn_module_stack", {})
                 val = producer.meta.get("val")
                 if label == "scatter":
-                    val = _local_val(val, -2, self.n)
+                    val = _shaped_val(val, _local_shape(args[1] or val.shape, self.n))
                 elif label == "gather":
-                    val = _gathered_val(val, self.n)
+                    val = _shaped_val(val, tp.full_shape(val.shape, self.n))
                 new.meta["val"] = val
                 note(new, "tp", label)
-                made[edge.producer] = new
+                made[args] = new
             consumer.replace_input_with(producer, new)
 
+    def _token_shape(self, edge) -> tuple[int, ...] | None:
+        """What a replicated tensor broadcasts to among the consumer's tokens (every dim but
+        the features), None when it is its own shape: a rank's token block is cut from it."""
+        own = tuple(self.full_vals[edge.producer].shape)
+        tokens = tuple(self.full_vals[edge.consumer].shape[:-1])
+        shape = (*torch.broadcast_shapes(own[:-1], tokens), own[-1])
+        return None if shape == own else shape
 
-def _gathered_val(val: Any, n: int) -> Any:
+
+def _local_shape(shape: Any, n: int) -> tuple[int, ...]:
+    local = list(shape)
+    local[-2] //= n
+    return tuple(local)
+
+
+def _shaped_val(val: Any, shape: tuple[int, ...]) -> Any:
+    """`val`'s metadata with shape `shape` (a scatter's block, a gather's full tensor)."""
     if not isinstance(val, torch.Tensor):
         return val
-    shape = list(val.shape)
-    shape[-2] *= n
     mode = getattr(val, "fake_mode", None)
     if mode is None:
         return torch.empty(shape, dtype=val.dtype, device="meta")

@@ -6,10 +6,15 @@ reduce-scatter; an all-gather before a replicated op (the LM head) needs only th
 slice back. torch's functional collectives pick one (and double gradients in the other case);
 here the tensor-parallel pass chooses per site.
 
-Layout: activations are [..., seq, hidden] (transformers' [batch, seq, hidden]); sequence
-parallelism shards dim -2. A gathered activation is kept rank-major, [N, ..., seq/N, hidden],
-which is what `all_gather_into_tensor` writes without a copy; matmuls run on it directly and
-only the output is reordered to [..., seq, out].
+Layout: activations are [..., seq, hidden] (transformers' [batch, seq, hidden]). Sequence
+parallelism gives rank r the r-th of N equal blocks of the flattened tokens [batch * seq]
+(for batch 1, its slice of the sequence), shaped [..., seq/N, hidden]. Why tokens rather than
+each sequence's slice: a rank's block is then contiguous in the full activation, so
+`all_gather_into_tensor` writes the full [..., seq, hidden] in place and
+`reduce_scatter_tensor` reads it in place; slicing dim -2 of a batch would need a stack/cat
+copy of activation size around every collective. The sequence-parallel region only holds
+token-wise work (norms, residual adds, dropout: tp_sharding checks), to which which tokens a
+rank holds makes no difference; `own_tokens` is the one place that knows the blocks.
 
 The column and row linears follow nanotron's (PR #208, #172): sync or async communication,
 and keep or recompute the gathered input. Recompute saves only the rank's shard for backward
@@ -44,11 +49,13 @@ __all__ = [
     "all_gather_seq",
     "all_reduce_forward",
     "column_linear",
+    "full_shape",
     "gather_from_seq",
     "gather_shards",
     "grad_all_reduce",
     "group_timeout",
     "new_group",
+    "own_tokens",
     "reduce_scatter_seq",
     "release_group",
     "row_linear",
@@ -251,34 +258,37 @@ class Collectives:
             return _Works(issue(), what, self.group)
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
-        """out[r] = rank r's x; out is [N, *x.shape]."""
+        """out (contiguous, N times x's elements) = every rank's x, concatenated in rank
+        order: [N, *x.shape], or the full activation of N token blocks."""
         pg = self.pg
+        flat, own = out.view(self.world, -1), x.contiguous().view(-1)
         if not self.mem_saving:
-            flat = out.flatten(0, 1)
             return self._issue("all_gather", lambda: [
-                _all_gather_single(flat, x.contiguous(), group=pg, async_op=async_op)
+                _all_gather_single(flat.view(-1), own, group=pg, async_op=async_op)
             ])  # fmt: skip
-        out[self.rank].copy_(x)
+        flat[self.rank].copy_(own)
         return self._issue("all_gather (as broadcasts)", lambda: [
-            dist.broadcast(out[src], src, group=pg, async_op=async_op) for src in range(self.world)
+            dist.broadcast(flat[src], src, group=pg, async_op=async_op)
+            for src in range(self.world)
         ])  # fmt: skip
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
-        """out = sum over ranks of their x[rank]; x is [N, *out.shape]."""
+        """out = sum over ranks of their rank-th block of x (x contiguous, N times out's
+        elements: [N, *out.shape], or the full activation of N token blocks)."""
         pg = self.pg
+        parts = x.view(self.world, -1)
         if not self.mem_saving:
-            flat = x.contiguous().flatten(0, 1)
             return self._issue("reduce_scatter", lambda: [
-                _reduce_scatter_single(out, flat, group=pg, async_op=async_op)
+                _reduce_scatter_single(out.view(-1), parts.view(-1), group=pg, async_op=async_op)
             ])  # fmt: skip
 
         def reduces() -> list[Any]:
-            scratch = BUFFERS.get("scratch", tuple(out.shape), out)
+            scratch = BUFFERS.get("scratch", (out.numel(),), out)
             for dst in range(self.world):
-                scratch.copy_(x[dst])
+                scratch.copy_(parts[dst])
                 dist.reduce(scratch, dst, group=pg)
                 if dst == self.rank:
-                    out.copy_(scratch)
+                    out.view(-1).copy_(scratch)
             return []
 
         return self._issue("reduce_scatter (as reduces)", reduces)
@@ -292,26 +302,41 @@ class Collectives:
         ])  # fmt: skip
 
 
-def _split_seq(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """[..., S, ...] -> [N, ..., S/N, ...] (rank-major, contiguous)."""
-    return torch.stack(x.chunk(n, dim)).contiguous()
+def full_shape(local: torch.Size | tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The shape of the N token blocks together: dim -2 (the sequence) times N."""
+    shape = list(local)
+    shape[SEQ_DIM] *= n
+    return tuple(shape)
 
 
-def _join_seq(stacked: torch.Tensor, dim: int) -> torch.Tensor:
-    """[N, ..., S/N, ...] -> [..., S, ...] (a copy with its own storage)."""
-    return torch.cat(stacked.unbind(0), dim)
+def _local_shape(full: torch.Size | tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The shape of one of N token blocks: dim -2 divided by N."""
+    shape = list(full)
+    shape[SEQ_DIM] //= n
+    return tuple(shape)
 
 
-def _gather(x: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
-    out = x.new_empty((comm.world, *x.shape))
+def own_tokens(full: torch.Tensor, n: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s block of the flattened tokens of `full` ([..., seq, hidden], any strides,
+    broadcast ones included), shaped [..., seq/N, hidden]: a view when `full` is contiguous."""
+    local = _local_shape(full.shape, n)
+    tokens = full.shape[:-1].numel()
+    block = slice(rank * tokens // n, (rank + 1) * tokens // n)
+    if full.is_contiguous():
+        return full.view(tokens, full.shape[-1])[block].view(local)
+    index = torch.arange(block.start, block.stop, device=full.device)
+    return full[torch.unravel_index(index, full.shape[:-1])].view(local)
+
+
+def _gather(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
+    out = x.new_empty(full_shape(x.shape, comm.world))
     comm.all_gather(out, x).wait()
-    return _join_seq(out, dim)
+    return out
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
-    stacked = _split_seq(x, comm.world, dim)
-    out = x.new_empty(stacked.shape[1:])
-    comm.reduce_scatter(out, stacked).wait()
+def _reduce_scatter(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
+    out = x.new_empty(_local_shape(x.shape, comm.world))
+    comm.reduce_scatter(out, x.contiguous()).wait()
     return out
 
 
@@ -355,47 +380,48 @@ class _AllReduceForward(torch.autograd.Function):
 
 class _ScatterToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return x.chunk(comm.world, dim)[comm.rank].contiguous()
+    def forward(ctx, x, shape, comm):
+        ctx.comm, ctx.shape = comm, x.shape
+        # a copy of the block only: the replicated tensor can be freed
+        return own_tokens(x.expand(shape), comm.world, comm.rank).clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.dim, ctx.comm.in_backward()), None, None
+        full = _gather(grad.contiguous(), ctx.comm.in_backward())
+        return full.sum_to_size(ctx.shape), None, None
 
 
 class _GatherFromSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _gather(x, dim, comm)
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        comm = ctx.comm
-        return grad.chunk(comm.world, ctx.dim)[comm.rank].contiguous(), None, None
+        return own_tokens(grad, ctx.comm.world, ctx.comm.rank), None
 
 
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _gather(x, dim, comm)
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.comm.in_backward()), None, None
+        return _reduce_scatter(grad, ctx.comm.in_backward()), None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _reduce_scatter(x, dim, comm)
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.dim, ctx.comm.in_backward()), None, None
+        return _gather(grad.contiguous(), ctx.comm.in_backward()), None
 
 
 def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
@@ -411,33 +437,34 @@ def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False, group: str 
 
 
 def scatter_to_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
+    x: torch.Tensor,
+    shape: tuple[int, ...] | None = None,
+    *,
+    mem_saving: bool = False,
+    group: str | None = None,
 ):
-    """A replicated tensor -> this rank's sequence slice; backward all-gathers the slices."""
-    return _ScatterToSeq.apply(x, dim, Collectives(mem_saving, group, "scatter_to_seq"))
+    """A replicated tensor -> this rank's token block; backward all-gathers the blocks. `shape`
+    is the tokens' shape x broadcasts to (a [seq, hidden] position embedding added to
+    [batch, seq, hidden]): the block is cut from x expanded to it. Default: x's own shape."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    return _ScatterToSeq.apply(x, shape, Collectives(mem_saving, group, "scatter_to_seq"))
 
 
-def gather_from_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
-):
-    """Sequence slices -> the full tensor for replicated work; backward keeps the own slice
+def gather_from_seq(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+    """Token blocks -> the full tensor for replicated work; backward keeps the own block
     (every rank holds the same gradient of a replicated result)."""
-    return _GatherFromSeq.apply(x, dim, Collectives(mem_saving, group, "gather_from_seq"))
+    return _GatherFromSeq.apply(x, Collectives(mem_saving, group, "gather_from_seq"))
 
 
-def all_gather_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
-):
-    """Sequence slices -> the full tensor for sharded work; backward reduce-scatters (it is
-    2x wrong when what reads the result is replicated: use gather_from_seq there)."""
-    return _AllGatherSeq.apply(x, dim, Collectives(mem_saving, group, "all_gather_seq"))
+def all_gather_seq(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+    """Token blocks -> the full tensor for sharded work; backward reduce-scatters (it is 2x
+    wrong when what reads the result is replicated: use gather_from_seq there)."""
+    return _AllGatherSeq.apply(x, Collectives(mem_saving, group, "all_gather_seq"))
 
 
-def reduce_scatter_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
-):
-    """Partial sums -> this rank's summed sequence slice; backward all-gathers."""
-    return _ReduceScatterSeq.apply(x, dim, Collectives(mem_saving, group, "reduce_scatter_seq"))
+def reduce_scatter_seq(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+    """Partial sums -> this rank's summed token block; backward all-gathers."""
+    return _ReduceScatterSeq.apply(x, Collectives(mem_saving, group, "reduce_scatter_seq"))
 
 
 # -- linears --------------------------------------------------------------------------------------
@@ -465,7 +492,8 @@ class _ColumnLinear(torch.autograd.Function):
 
     Without sequence parallel the input is replicated: identity forward, grad_input
     all-reduced (async: overlapped with grad_weight). With it, the input is this rank's
-    sequence slice: all-gather, linear; backward reduce-scatters grad_input."""
+    token block: all-gather (in place: the blocks are the full input's rows), linear;
+    backward reduce-scatters grad_input, again in place."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sp, async_comm, recompute, comm, transposed):
@@ -476,22 +504,23 @@ class _ColumnLinear(torch.autograd.Function):
             return _matmul(x, weight, bias, transposed)
         n, rank = comm.world, comm.rank
         x = x.contiguous()
-        shape = (n, *x.shape)
+        shape = full_shape(x.shape, n)
         gathered = BUFFERS.get("gather", shape, x) if recompute else x.new_empty(shape)
         if async_comm:  # own rows while the gather runs, then the rest
             work = comm.all_gather(gathered, x, async_op=True)
             out_features = weight.shape[1] if transposed else weight.shape[0]
-            y = x.new_empty((n, *x.shape[:-1], out_features))
-            _matmul(x, weight, bias, transposed, out=y[rank])
+            y = x.new_empty((*shape[:-1], out_features))
+            blocks, inputs = _blocks(y, n), _blocks(gathered, n)
+            _matmul(x.view(inputs[rank].shape), weight, bias, transposed, out=blocks[rank])
             work.wait()
             for r in range(n):
                 if r != rank:
-                    _matmul(gathered[r], weight, bias, transposed, out=y[r])
+                    _matmul(inputs[r], weight, bias, transposed, out=blocks[r])
         else:
             comm.all_gather(gathered, x).wait()
             y = _matmul(gathered, weight, bias, transposed)
         ctx.save_for_backward(x if recompute else gathered, weight)
-        return _join_seq(y, SEQ_DIM)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -508,41 +537,44 @@ class _ColumnLinear(torch.autograd.Function):
             pending.wait()
             return gx, gw, gb, None, None, None, None, None
         n = comm.world
-        gy = _split_seq(grad, n, SEQ_DIM)  # [N, ..., S/N, out], rank-major like `gathered`
+        grad = grad.contiguous()
         if recompute:  # re-gather while grad_input is computed
-            gathered = BUFFERS.get("gather", (n, *saved.shape), saved)
+            gathered = BUFFERS.get("gather", full_shape(saved.shape, n), saved)
             gathering = comm.all_gather(gathered, saved, async_op=async_comm)
         else:
             gathered, gathering = saved, _Works()
-        gx_full = torch.matmul(gy, w.t())  # [N, ..., S/N, in]
-        gx = gx_full.new_empty(gx_full.shape[1:])
+        gx_full = torch.matmul(grad, w.t())  # [..., S, in]: N token blocks, rank-major
+        gx = gx_full.new_empty(_local_shape(gx_full.shape, n))
         scattering = comm.reduce_scatter(gx, gx_full, async_op=async_comm)
         gathering.wait()
-        gy2d = gy.reshape(-1, w.shape[1])
-        gw = _grad_weight(gathered.reshape(-1, w.shape[0]), gy2d, transposed)
+        gy2d = grad.view(-1, w.shape[1])
+        gw = _grad_weight(gathered.view(-1, w.shape[0]), gy2d, transposed)
         gb = gy2d.sum(0) if ctx.has_bias else None
         scattering.wait()
         return gx, gw, gb, None, None, None, None, None
 
 
+def _blocks(full: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The N token blocks of a contiguous full activation, as [tokens/N, features] views."""
+    return list(full.view(-1, full.shape[-1]).chunk(n))
+
+
 class _RowLinear(torch.autograd.Function):
     """Row-parallel linear: the weight holds this rank's input features; the input is sharded
     along its features, the partial outputs are summed (all-reduce, or reduce-scatter to
-    sequence slices). The bias is added once, after the sum; under sequence parallel each
-    rank sees only its slice's bias gradient, so that gradient is all-reduced."""
+    token blocks, in place). The bias is added once, after the sum; under sequence parallel
+    each rank sees only its block's bias gradient, so that gradient is all-reduced."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sp, async_comm, comm, transposed):
         ctx.opts = (sp, async_comm, comm, transposed)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
+        y = _matmul(x, weight, None, transposed)
         if not sp:
-            y = _matmul(x, weight, None, transposed)
             comm.all_reduce(y).wait()
         else:
-            partial = torch.matmul(_split_seq(x, comm.world, SEQ_DIM), _wt(weight, transposed))
-            y = partial.new_empty(partial.shape[1:])
-            comm.reduce_scatter(y, partial).wait()
+            y = _reduce_scatter(y, comm)
         return y if bias is None else y + bias
 
     @staticmethod
@@ -558,23 +590,24 @@ class _RowLinear(torch.autograd.Function):
             gb = grad.reshape(-1, w.shape[1]).sum(0) if ctx.has_bias else None
             return gx, gw, gb, None, None, None, None
         n, rank = comm.world, comm.rank
-        gy = grad.new_empty((n, *grad.shape))
+        shape = full_shape(grad.shape, n)
+        gy = grad.new_empty(shape)
         gathering = comm.all_gather(gy, grad, async_op=async_comm)
-        gx = grad.new_empty((n, *grad.shape[:-1], w.shape[0]))
-        torch.matmul(grad, w.t(), out=gx[rank])  # own rows first: exact for this rank (#172)
+        gx = grad.new_empty((*shape[:-1], w.shape[0]))
+        grads, outs = _blocks(gy, n), _blocks(gx, n)
+        torch.matmul(grad.view(grads[rank].shape), w.t(), out=outs[rank])  # own rows first
         gathering.wait()
         for r in range(n):
             if r != rank:
-                torch.matmul(gy[r], w.t(), out=gx[r])
+                torch.matmul(grads[r], w.t(), out=outs[r])
         reducing = _Works()
         gb = None
         if ctx.has_bias:
             gb = grad.reshape(-1, w.shape[1]).sum(0)
             reducing = comm.all_reduce(gb, async_op=async_comm)
-        xs = _split_seq(x, n, SEQ_DIM)
-        gw = _grad_weight(xs.reshape(-1, w.shape[0]), gy.reshape(-1, w.shape[1]), transposed)
+        gw = _grad_weight(x.reshape(-1, w.shape[0]), gy.view(-1, w.shape[1]), transposed)
         reducing.wait()
-        return _join_seq(gx, SEQ_DIM), gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 def column_linear(
@@ -590,8 +623,8 @@ def column_linear(
     group: str | None = None,
 ) -> torch.Tensor:
     """x @ W_r^T + b_r for this rank's output features W_r (transposed: W_r is [in, out], the
-    Conv1D layout). With sequence_parallel, x is this rank's sequence slice [..., S/N, in]
-    and the result covers the whole sequence [..., S, out/N]. `group`: a `new_group` key."""
+    Conv1D layout). With sequence_parallel, x is this rank's token block [..., S/N, in] and
+    the result covers every token [..., S, out/N]. `group`: a `new_group` key."""
     comm = Collectives(mem_saving, group, "column_linear")
     return _ColumnLinear.apply(
         x, weight, bias, sequence_parallel, async_comm, recompute, comm, transposed
@@ -610,6 +643,6 @@ def row_linear(
     group: str | None = None,
 ) -> torch.Tensor:
     """sum over ranks of x_r @ W_r^T, plus b once. x holds this rank's input features. With
-    sequence_parallel the result is this rank's sequence slice [..., S/N, out]."""
+    sequence_parallel the result is this rank's token block [..., S/N, out]."""
     comm = Collectives(mem_saving, group, "row_linear")
     return _RowLinear.apply(x, weight, bias, sequence_parallel, async_comm, comm, transposed)

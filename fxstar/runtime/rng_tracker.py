@@ -8,9 +8,9 @@ positions of rank 0's heads and rank 1's, so the run is not statistically a seri
 - inside a region split by heads or features (`rank_dropout`, `rank_attention`) the op draws
   from this rank's own stream: the default generator's state is swapped for the tracker's
   while it runs (any op, on CPU or CUDA, as Megatron's `fork`);
-- on a sequence slice (`seq_dropout`) every rank draws the whole sequence's mask from the
-  shared stream and keeps its slice: the same masks as without sequence parallelism, at the
-  price of drawing N times the slice's numbers;
+- on a sequence-parallel token block (`seq_dropout`) every rank draws every token's mask
+  from the shared stream and keeps its block: the same masks as without sequence
+  parallelism, at the price of drawing N times the block's numbers;
 - everywhere else ops draw from the default generator unchanged: the same on every rank.
 
 A tracker belongs to an engine's process group (the key graph nodes name it by), its seed is
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.dist import guard, process_group
+from fxstar.runtime.dist import full_shape, guard, own_tokens, process_group
 
 __all__ = [
     "RankStream",
@@ -159,19 +159,16 @@ def rank_attention(*args: Any, group: str | None = None, **kwargs: Any) -> torch
         return torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs)
 
 
-def seq_dropout(x: torch.Tensor, p: float, train: bool, *, dim: int = -2,
-                group: str | None = None):  # fmt: skip
-    """aten.dropout on this rank's slice of the sequence (`dim`) with the whole sequence's
-    mask from the shared stream: every rank draws it, each keeps its slice. The mask is the
-    one aten.dropout draws on the whole tensor (bernoulli_(1 - p) noise scaled by 1/(1 - p)),
-    so the masks are those of a run without sequence parallelism."""
+def seq_dropout(x: torch.Tensor, p: float, train: bool, *, group: str | None = None):
+    """aten.dropout on this rank's token block (sequence parallel) with every token's mask
+    from the shared stream: every rank draws it, each keeps its block. The mask is the one
+    aten.dropout draws on the whole tensor (bernoulli_(1 - p) noise scaled by 1/(1 - p)), so
+    the masks are those of a run without sequence parallelism."""
     if not train or p == 0:
         return x
     if p == 1:
         return x * 0
     pg = process_group(group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    shape = list(x.shape)
-    shape[dim] *= world
-    noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
-    return x * noise.chunk(world, dim)[rank]
+    noise = x.new_empty(full_shape(x.shape, world)).bernoulli_(1 - p).div_(1 - p)
+    return x * own_tokens(noise, world, rank)
