@@ -239,6 +239,10 @@ class _Rewrite:
                 kwargs,
             )
             note(node, "tp", "vocab-parallel")
+            if name in vocab.scattered:  # summed and cut into token blocks at once
+                node.kwargs = {**kwargs, "sequence_parallel": True}
+                node.meta["val"] = _local_val(self.full_vals[name], -2, self.n)
+                note(node, "tp", "vocab-parallel, reduce-scatter")
             if not weight.users:
                 self.program.remove_input(weight)
         loss = self.nodes[vocab.loss]

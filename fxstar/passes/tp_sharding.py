@@ -499,6 +499,21 @@ def _check_slices_meet_splits(sharding: Sharding, needs_grad: set[fx.Node]) -> N
             )
 
 
+def _scatter_vocab_sums(program: Program, sharding: Sharding) -> None:
+    """A vocab-parallel embedding whose every reader runs on token blocks, over its own
+    tokens: its all-reduce and the scatter after it become one reduce-scatter."""
+    if sharding.vocab is None:
+        return
+    nodes = {node.name: node for node in program.graph_module.graph.nodes}
+    for name in sharding.vocab.embeddings:
+        edges = [e for e in sharding.scatters if e.producer == name]
+        tokens = (static_shape(nodes[name]) or ())[:-1]
+        readers = {e.consumer for e in edges if static_shape(nodes[e.consumer])[:-1] == tokens}
+        if edges and readers == {u.name for u in nodes[name].users if not passive(u)}:
+            sharding.vocab.scattered.append(name)
+            sharding.scatters = [e for e in sharding.scatters if e.producer != name]
+
+
 def _dropout_p(node: fx.Node) -> float:
     """The drop probability of a dropout or an attention that drops (0 for any other)."""
     op = op_name(node)
@@ -591,6 +606,7 @@ class TPSharding(Pass):
         if config.sequence_parallel:
             _sequence_region(program, sharding, set(sharding.sharded), n)
             _check_slices_meet_splits(sharding, carrier.needs_grad)
+            _scatter_vocab_sums(program, sharding)
         _random_streams(program, sharding)
         program.decisions.tp_sharding = sharding
         self._annotate(program, sharding)
@@ -612,7 +628,7 @@ class TPSharding(Pass):
         for name in sharding.rank_random:
             note(nodes[name], "rng", "rank stream")
         for name in sharding.seq_random:
-            note(nodes[name], "rng", "sequence mask, own slice")
+            note(nodes[name], "rng", "sequence mask, own block")
         vocab = sharding.vocab
         for name in (vocab.loss, *vocab.embeddings) if vocab else ():
             note(nodes[name], "tp", "vocab-parallel")

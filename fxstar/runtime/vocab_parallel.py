@@ -5,7 +5,9 @@ and the LM head, tied or not). Why: for a large vocabulary the head's logits are
 activation of a step, and replicated they cost every rank the full [tokens, V]. Here:
 
 - the embedding looks up the ids in its own rows, zeroes the others' and sums the ranks' rows
-  with one all-reduce (backward: each rank's rows get the gradient where their ids were);
+  with one all-reduce, or, read on sequence-parallel token blocks, one reduce-scatter that
+  also cuts this rank's block (backward: each rank's rows get the gradient where their ids
+  were);
 - the head is an ordinary column-parallel linear (`dist.column_linear`): logits [.., V/N];
 - the cross-entropy reads the sharded logits: the max, the target's logit and the sum of the
   exponentials are all-reduced (three [tokens] vectors), so full logits never exist. Backward
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.dist import Collectives, _AllReduceForward
+from fxstar.runtime.dist import Collectives, _AllReduceForward, _ReduceScatterSeq
 
 __all__ = ["gather_from_vocab", "vocab_cross_entropy", "vocab_embedding"]
 
@@ -38,12 +40,14 @@ def vocab_embedding(
     ids: torch.Tensor,
     padding_idx: int = -1,
     *,
+    sequence_parallel: bool = False,
     mem_saving: bool = False,
     group: str | None = None,
 ) -> torch.Tensor:
     """aten.embedding on this rank's rows of the vocabulary, summed over ranks (the argument
     order is aten's). An id outside the rows looks up row 0 and is zeroed; `padding_idx`
-    (the full vocabulary's) keeps its meaning on the rank that holds it."""
+    (the full vocabulary's) keeps its meaning on the rank that holds it. With
+    `sequence_parallel` the sum is a reduce-scatter: this rank gets its token block only."""
     comm = Collectives(mem_saving, group, "vocab_embedding")
     start, end = _rows(comm, weight.shape[0])
     outside = (ids < start) | (ids >= end)
@@ -51,6 +55,8 @@ def vocab_embedding(
     pad = padding_idx - start if start <= padding_idx < end else -1
     rows = torch.nn.functional.embedding(local, weight, padding_idx=pad if pad >= 0 else None)
     rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+    if sequence_parallel:
+        return _ReduceScatterSeq.apply(rows, comm)
     return _AllReduceForward.apply(rows, comm)
 
 

@@ -45,6 +45,19 @@ def _cross_entropy_cases(world: int, rank: int, failures: list[str]) -> None:
             failures.append(f"cross_entropy {reduction}: gradient differs")
 
 
+def _embedding_collectives(engine) -> list[str]:
+    """Per vocab-parallel embedding node: its sum ('all_reduce' or 'reduce_scatter'), then
+    '+scatter' when a scatter_to_seq node cuts its output afterwards."""
+    kinds = []
+    for node in engine.program.graph_module.graph.nodes:
+        if node.target is vp.vocab_embedding:
+            kind = "reduce_scatter" if node.kwargs.get("sequence_parallel") else "all_reduce"
+            if any(user.target is tp.scatter_to_seq for user in node.users):
+                kind += "+scatter"
+            kinds.append(kind)
+    return kinds
+
+
 def _check(name: str, world: int, rank: int, failures: list[str], plan_extra: dict) -> dict:
     reference = _reference(name, world)
     args, kwargs = _inputs(name)
@@ -58,6 +71,7 @@ def _check(name: str, world: int, rank: int, failures: list[str], plan_extra: di
             continue
         info[f"tied sp={sp}"] = vocab.tied
         info[f"logits sp={sp}"] = _logits_bytes(engine)
+        info[f"embedding sp={sp}"] = _embedding_collectives(engine)
         out = engine(*args, **kwargs)
         _loss(out).backward()
         _compare(engine, reference, out, f"{name} world={world} sp={sp}", failures)
@@ -102,6 +116,10 @@ def test_vocab_parallel_world_2_gpt_gpt2_tied_llama_untied():
     for r in results:
         assert r["infos"]["gpt"]["logits sp=False"] == whole // 2
         assert r["infos"]["gpt"]["logits sp=True"] == whole // 2
+    # under sequence parallelism the embedding's sum and the scatter are one reduce-scatter
+    for name in ("gpt", "gpt2_default", "llama_default"):
+        assert infos[name]["embedding sp=False"] == ["all_reduce"]
+        assert infos[name]["embedding sp=True"] == ["reduce_scatter"]
 
 
 def test_vocab_parallel_world_4_gpt():
