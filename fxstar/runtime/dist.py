@@ -22,30 +22,35 @@ and re-gathers it into one reusable buffer (any device), overlapped with grad_in
 `mem_saving=True` swaps the collectives for PatrickStar's: N broadcasts for an all-gather and
 N reduces through one scratch buffer for a reduce-scatter.
 
-Process groups: an engine runs its collectives on a group of its own (`new_group`), made with
-`plan.dist_timeout`, so a rank that stopped (crashed, skipped a step, diverged) makes the others
-raise a `CollectiveError` naming the collective instead of waiting out gloo's 30 minutes. Graph
-nodes name the group by a string key (`group=`): a process group cannot be written into graph
-code, and the key reads well in dumps.
+Process groups: an engine runs its collectives on a group of its own, a `TPGroup` the graph
+holds (`runtime/tp_group.py`: its timeout makes a stopped peer a `CollectiveError`, not a
+hang); graph nodes pass it as `group=` (a `get_attr` of the graph). `group=None` is torch's
+default group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import datetime
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxstar.errors import CollectiveError
+from fxstar.runtime.buffer_pool import BufferPool
+from fxstar.runtime.tp_group import (
+    TPGroup,
+    group_timeout,
+    guard,
+    new_group,
+    process_group,
+    release_group,
+)
 
 __all__ = [
     "CollectiveError",
     "Collectives",
+    "TPGroup",
     "all_gather_seq",
     "all_reduce_forward",
     "column_linear",
@@ -54,6 +59,8 @@ __all__ = [
     "gather_shards",
     "grad_all_reduce",
     "group_timeout",
+    "guard",
+    "process_group",
     "new_group",
     "own_tokens",
     "reduce_scatter_seq",
@@ -70,127 +77,13 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# -- process groups and their failures ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    pg: Any  # dist.ProcessGroup
-    timeout: float  # seconds
-
-
-_GROUPS: dict[str, _Group] = {}
-_KEYS = itertools.count()
-
-
-def new_group(timeout: float) -> str:
-    """A process group over every rank whose collectives give up after `timeout` seconds; its
-    key is what graph nodes and `Collectives` name it by. Collective: every rank calls it at
-    the same point, so the keys agree across ranks too."""
-    try:
-        pg = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as error:
-        if not _lost_peer(error):
-            raise
-        raise CollectiveError(
-            f"creating the engine's process group on rank {dist.get_rank()} of "
-            f"{dist.get_world_size()} timed out after {timeout:g} s: another rank did not reach "
-            "the same compile (it failed before, in capture or tp_sharding, or its plan has no "
-            "tensor_parallel). Look for the first error in the other ranks' output; "
-            f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
-        ) from error
-    key = f"fxstar{next(_KEYS)}"
-    _GROUPS[key] = _Group(pg, float(timeout))
-    return key
-
-
-def release_group(key: str) -> None:
-    """Destroy the group `key` (its engine is closed or freed); an unknown key is ignored."""
-    group = _GROUPS.pop(key, None)
-    if group is None or not dist.is_initialized():
-        return
-    with contextlib.suppress(ValueError, RuntimeError):  # gone with the default group already
-        dist.destroy_process_group(group.pg)
-
-
-def process_group(key: str | None) -> Any:
-    """The ProcessGroup behind `key`; None stays None (torch's default group)."""
-    if key is None:
-        return None
-    try:
-        return _GROUPS[key].pg
-    except KeyError:
-        raise CollectiveError(
-            f"process group {key!r} does not exist in this process: the engine that made it "
-            "was closed or freed, or the graph came from another process; compile the model "
-            "again"
-        ) from None
-
-
-def group_timeout(key: str | None) -> float | None:
-    """Seconds the collectives of group `key` wait; None for the default group (torch's)."""
-    group = _GROUPS.get(key) if key is not None else None
-    return None if group is None else group.timeout
-
-
-# What gloo (torch 2.13) raises when a peer is gone: a plain RuntimeError saying "Timed out
-# waiting 5000ms for recv operation to complete", "Connection closed by peer [...]" or, from the
-# store while a group is made, "Wait timeout". Other RuntimeErrors (bad shapes) pass unchanged.
-_LOST_PEER = ("timed out", "timeout", "connection", "closed by peer", "broken pipe")
-
-
-def _lost_peer(error: BaseException) -> bool:
-    if isinstance(error, dist.DistNetworkError):
-        return True
-    text = str(error).lower()
-    return any(sign in text for sign in _LOST_PEER)
-
-
-def _lost_peer_message(what: str, key: str | None, error: BaseException) -> str:
-    rank = dist.get_rank() if dist.is_initialized() else "?"
-    world = dist.get_world_size() if dist.is_initialized() else "?"
-    timeout = group_timeout(key)
-    text = str(error).strip()
-    if "time" in text.lower():
-        happened = f"timed out after {timeout:g} s" if timeout is not None else "timed out"
-    else:
-        happened = "lost its connection to another rank"
-    group = f"process group {key!r}" if key is not None else "the default process group"
-    limit = (
-        f"plan.dist_timeout ({timeout:g} s) bounds the wait"
-        if timeout is not None
-        else "init_process_group(timeout=...) bounds the wait"
-    )
-    first = text.splitlines()[0] if text else type(error).__name__
-    return (
-        f"{what} on rank {rank} of {world} {happened} ({group}): another rank probably "
-        "failed, stopped calling the engine (it raised and went on, or skipped a step), or "
-        "diverged (a different plan, model or input). Look for the first error in the other "
-        f"ranks' output; {limit}.\n  backend said: {first}"
-    )
-
-
-@contextlib.contextmanager
-def guard(what: str, group: str | None = None) -> Iterator[None]:
-    """Re-raise a timeout or a lost connection inside the block as a CollectiveError about
-    `what` (a collective and its caller) on `group` (a key; None = the default group)."""
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as error:
-        if not _lost_peer(error):
-            raise
-        raise CollectiveError(_lost_peer_message(what, group, error)) from error
-
-
 # -- collectives ----------------------------------------------------------------------------------
 
 
 class _Works:
     """Pending collectives behind one `wait()`, which names them if they fail."""
 
-    def __init__(self, works: list[Any] = (), what: str = "", group: str | None = None):
+    def __init__(self, works: list[Any] = (), what: str = "", group: TPGroup | None = None):
         self.works = [w for w in works if w is not None]
         self.what, self.group = what, group
 
@@ -201,36 +94,9 @@ class _Works:
         self.works = []
 
 
-class _BufferPool:
-    """One flat buffer per (purpose, dtype, device), grown on demand and handed out as views.
-
-    Recompute mode gathers into the "gather" buffer in forward and again in backward, one
-    linear at a time; mem_saving_comm reduces through the "scratch" buffer."""
-
-    def __init__(self) -> None:
-        self._flat: dict[tuple, torch.Tensor] = {}
-
-    def get(self, purpose: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        key = (purpose, like.dtype, like.device)
-        numel = 1
-        for s in shape:
-            numel *= s
-        flat = self._flat.get(key)
-        if flat is None or flat.numel() < numel:
-            flat = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._flat[key] = flat
-        return flat[:numel].view(shape)
-
-    def clear(self) -> None:
-        self._flat.clear()
-
-
-BUFFERS = _BufferPool()
-
-
 class Collectives:
-    """The collectives the TP ops use, over the group `group` (a key from `new_group`; None =
-    torch's default group). Groups span every rank, so a group rank is a global rank.
+    """The collectives the TP ops use, over `group` (a `TPGroup`; None = torch's default
+    group, with buffers of its own). Groups span every rank, so a group rank is a global rank.
 
     `op` and `phase` name the caller in errors ('all_gather in column_linear backward').
     `mem_saving`: all-gather as N broadcasts, reduce-scatter as N reduces through one scratch
@@ -239,18 +105,21 @@ class Collectives:
     """
 
     def __init__(
-        self, mem_saving: bool = False, group: str | None = None, op: str = "",
+        self, mem_saving: bool = False, group: TPGroup | None = None, op: str = "",
         phase: str = "forward",
     ):  # fmt: skip
         self.mem_saving = mem_saving
         self.group, self.op, self.phase = group, op, phase
         self.pg = process_group(group)
+        self.buffers = group.buffers if group is not None else BufferPool()
         self.rank = dist.get_rank(self.pg)
         self.world = dist.get_world_size(self.pg)
 
     def in_backward(self) -> Collectives:
         """The same collectives, named as the caller's backward in errors."""
-        return Collectives(self.mem_saving, self.group, self.op, "backward")
+        other = Collectives(self.mem_saving, self.group, self.op, "backward")
+        other.buffers = self.buffers  # recompute re-gathers into the forward's buffer
+        return other
 
     def _issue(self, name: str, issue: Callable[[], list[Any]]) -> _Works:
         what = f"{name} in {self.op} {self.phase}" if self.op else name
@@ -283,7 +152,7 @@ class Collectives:
             ])  # fmt: skip
 
         def reduces() -> list[Any]:
-            scratch = BUFFERS.get("scratch", (out.numel(),), out)
+            scratch = self.buffers.get("scratch", (out.numel(),), out)
             for dst in range(self.world):
                 scratch.copy_(parts[dst])
                 dist.reduce(scratch, dst, group=pg)
@@ -340,7 +209,7 @@ def _reduce_scatter(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
     return out
 
 
-def gather_shards(x: torch.Tensor, group: str | None = None) -> list[torch.Tensor]:
+def gather_shards(x: torch.Tensor, group: TPGroup | None = None) -> list[torch.Tensor]:
     """Every rank's `x` (same shape on all), in rank order: consolidating parameter shards."""
     comm = Collectives(group=group)
     out = [torch.empty_like(x) for _ in range(comm.world)]
@@ -424,14 +293,14 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather(grad.contiguous(), ctx.comm.in_backward()), None
 
 
-def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
     """Identity forward, all-reduce backward (Megatron's f): a replicated tensor read by
     rank-local work (a column linear's input; a norm weight on a sequence shard). `group` is
-    a key from `new_group` (None: the default group), as for every function here."""
+    a `TPGroup` (None: the default group), as for every function here."""
     return _GradAllReduce.apply(x, Collectives(mem_saving, group, "grad_all_reduce"))
 
 
-def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
     """All-reduce forward, identity backward (Megatron's g)."""
     return _AllReduceForward.apply(x, Collectives(mem_saving, group, "all_reduce_forward"))
 
@@ -441,7 +310,7 @@ def scatter_to_seq(
     shape: tuple[int, ...] | None = None,
     *,
     mem_saving: bool = False,
-    group: str | None = None,
+    group: TPGroup | None = None,
 ):
     """A replicated tensor -> this rank's token block; backward all-gathers the blocks. `shape`
     is the tokens' shape x broadcasts to (a [seq, hidden] position embedding added to
@@ -450,19 +319,19 @@ def scatter_to_seq(
     return _ScatterToSeq.apply(x, shape, Collectives(mem_saving, group, "scatter_to_seq"))
 
 
-def gather_from_seq(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+def gather_from_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
     """Token blocks -> the full tensor for replicated work; backward keeps the own block
     (every rank holds the same gradient of a replicated result)."""
     return _GatherFromSeq.apply(x, Collectives(mem_saving, group, "gather_from_seq"))
 
 
-def all_gather_seq(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+def all_gather_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
     """Token blocks -> the full tensor for sharded work; backward reduce-scatters (it is 2x
     wrong when what reads the result is replicated: use gather_from_seq there)."""
     return _AllGatherSeq.apply(x, Collectives(mem_saving, group, "all_gather_seq"))
 
 
-def reduce_scatter_seq(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+def reduce_scatter_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
     """Partial sums -> this rank's summed token block; backward all-gathers."""
     return _ReduceScatterSeq.apply(x, Collectives(mem_saving, group, "reduce_scatter_seq"))
 
@@ -505,7 +374,7 @@ class _ColumnLinear(torch.autograd.Function):
         n, rank = comm.world, comm.rank
         x = x.contiguous()
         shape = full_shape(x.shape, n)
-        gathered = BUFFERS.get("gather", shape, x) if recompute else x.new_empty(shape)
+        gathered = comm.buffers.get("gather", shape, x) if recompute else x.new_empty(shape)
         if async_comm:  # own rows while the gather runs, then the rest
             work = comm.all_gather(gathered, x, async_op=True)
             out_features = weight.shape[1] if transposed else weight.shape[0]
@@ -539,7 +408,7 @@ class _ColumnLinear(torch.autograd.Function):
         n = comm.world
         grad = grad.contiguous()
         if recompute:  # re-gather while grad_input is computed
-            gathered = BUFFERS.get("gather", full_shape(saved.shape, n), saved)
+            gathered = comm.buffers.get("gather", full_shape(saved.shape, n), saved)
             gathering = comm.all_gather(gathered, saved, async_op=async_comm)
         else:
             gathered, gathering = saved, _Works()
@@ -620,11 +489,11 @@ def column_linear(
     recompute: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
-    group: str | None = None,
+    group: TPGroup | None = None,
 ) -> torch.Tensor:
     """x @ W_r^T + b_r for this rank's output features W_r (transposed: W_r is [in, out], the
     Conv1D layout). With sequence_parallel, x is this rank's token block [..., S/N, in] and
-    the result covers every token [..., S, out/N]. `group`: a `new_group` key."""
+    the result covers every token [..., S, out/N]. `group`: a `TPGroup`."""
     comm = Collectives(mem_saving, group, "column_linear")
     return _ColumnLinear.apply(
         x, weight, bias, sequence_parallel, async_comm, recompute, comm, transposed
@@ -640,7 +509,7 @@ def row_linear(
     async_comm: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
-    group: str | None = None,
+    group: TPGroup | None = None,
 ) -> torch.Tensor:
     """sum over ranks of x_r @ W_r^T, plus b once. x holds this rank's input features. With
     sequence_parallel the result is this rank's token block [..., S/N, out]."""

@@ -174,6 +174,10 @@ def _gpt_dropout(attention: float, elsewhere: float) -> torch.nn.Module:
     return model
 
 
+def _two_engines(args, world: int) -> list:
+    return [fxstar.compile(_gpt_dropout(0.5, 0.1), _plan(world, True), args) for _ in range(2)]
+
+
 def _dropout_worker(rank: int, world: int) -> dict:
     failures: list[str] = []
     args, _ = _inputs("gpt")
@@ -217,6 +221,20 @@ def _dropout_worker(rank: int, world: int) -> dict:
         torch.manual_seed(11)
         engine(*args).backward()
         grads.append(engine.gradients())
+        # the graph and its regions hold the engine's group, which holds the rank stream
+        group = engine.shared["tensor_parallel.group"]
+        holders = [m for m in engine.program.graph_module.modules() if hasattr(m, "tp_group")]
+        if len(holders) < 1 + bool(extra) or any(m.tp_group is not group for m in holders):
+            failures.append(f"{extra}: the graph or a region does not hold the engine's group")
+        if group.stream is None:
+            failures.append("the engine's group holds no rank stream")
+    # two engines, two groups and two streams: drawing from one leaves the other as it was
+    alive = _two_engines(args, world)  # a freed engine releases its group
+    first, second = (engine.shared["tensor_parallel.group"] for engine in alive)
+    before = second.stream.state_dict()["cpu"]
+    rng_tracker.rank_dropout(torch.ones(64), 0.5, True, group=first)
+    if first is second or not torch.equal(second.stream.state_dict()["cpu"], before):
+        failures.append("two engines share a process group or an RNG stream")
     if any(not torch.equal(grads[0][k], grads[1][k]) for k in grads[0]):
         failures.append("a checkpointed region's recompute drew other rank-stream masks")
     return {"failures": failures, "rank_mask": rank_mask, "shared_mask": shared_mask}

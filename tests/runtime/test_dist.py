@@ -220,12 +220,3 @@ def test_collectives_and_linears_match_single_process(world_size):
         assert r["recompute"] == gathered // world_size  # only the own shard is saved
         # no stack/cat around the collectives: gathers and scatters work in place
         assert r["copies"] == dict.fromkeys(r["copies"], []), r["copies"]
-
-
-def test_buffer_pool_reuses_one_buffer_per_purpose():
-    like = torch.empty(0)
-    a = tp.BUFFERS.get("t_pool", (4, 8), like)
-    b = tp.BUFFERS.get("t_pool", (2, 8), like)
-    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    c = tp.BUFFERS.get("t_pool", (8, 8), like)  # grows
-    assert c.shape == (8, 8)
