@@ -12,7 +12,8 @@ activation of a step, and replicated they cost every rank the full [tokens, V]. 
 - the cross-entropy reads the sharded logits: the max, the target's logit and the sum of the
   exponentials are all-reduced (three [tokens] vectors), so full logits never exist. Backward
   needs no collective: each rank's logit gradient is its softmax slice minus its part of the
-  one-hot target.
+  one-hot target. It is recomputed from the logits and each row's log-sum-exp, row block by
+  row block, rather than kept: bf16 logits never have an fp32 softmax saved beside them.
 
 The first rank's rows start at 0: a rank's offset is `rank * local rows`, read at run time,
 so the graph is the same on every rank (the ranks compare graphs at compile).
@@ -61,28 +62,42 @@ def vocab_embedding(
     return _AllReduceForward.apply(rows, comm)
 
 
+BLOCK_ELEMENTS = 1 << 22  # logits per row block computed in fp32 at once (16 MiB)
+
+
+def _row_blocks(rows: int, width: int) -> list[slice]:
+    step = max(1, BLOCK_ELEMENTS // max(width, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
 class _VocabCrossEntropy(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy, computed in fp32 (or wider) row block by
+    row block. Backward recomputes the softmax slice from the logits and each row's
+    log-sum-exp instead of keeping it: what stays saved is the logits shard in their own
+    dtype (bf16: half an fp32 softmax), and no fp32 tensor larger than a block exists."""
+
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, comm):
         start, end = _rows(comm, logits.shape[-1])
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16: in fp32
-        top = x.amax(-1)
+        wide = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16: in fp32
+        top = logits.amax(-1).to(wide)
         comm.all_reduce(top, op=dist.ReduceOp.MAX).wait()
-        x = x - top.unsqueeze(-1)
         valid = target != ignore_index
         mine = (target >= start) & (target < end) & valid
         local = (target - start).masked_fill(~mine, 0)
-        picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        exp = x.exp_()
-        total = exp.sum(-1)
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(wide) - top
+        picked = picked.masked_fill(~mine, 0.0)
+        total = top.new_empty(top.shape)
+        for rows in _row_blocks(*logits.shape):
+            torch.sum(torch.exp(logits[rows].to(wide) - top[rows, None]), -1, out=total[rows])
         both = torch.stack([picked, total])  # one all-reduce for both vectors
         comm.all_reduce(both).wait()
         picked, total = both[0], both[1]
         loss = (total.log() - picked).masked_fill(~valid, 0.0)
-        exp.div_(total.unsqueeze(-1))  # the softmax slice, kept for backward
+        log_sum_exp = top + total.log()
         count = valid.sum()
-        ctx.save_for_backward(exp, local, mine, valid, count)
-        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        ctx.save_for_backward(logits, log_sum_exp, local, mine, valid, count)
+        ctx.reduction = reduction
         if reduction == "mean":
             loss = loss.sum() / count
         elif reduction == "sum":
@@ -91,17 +106,19 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, mine, valid, count = ctx.saved_tensors
-        g = softmax.clone()
-        rows = torch.arange(g.shape[0], device=g.device)
-        g[rows, local] -= mine.to(g.dtype)
-        g.mul_(valid.unsqueeze(-1))
-        grad = grad.to(g.dtype)
+        logits, log_sum_exp, local, mine, valid, count = ctx.saved_tensors
+        wide = log_sum_exp.dtype
+        grad = grad.to(wide)
         if ctx.reduction == "none":
-            g.mul_(grad.unsqueeze(-1))
+            scale = grad * valid
         else:
-            g.mul_(grad / count if ctx.reduction == "mean" else grad)
-        return g.to(ctx.dtype), None, None, None, None
+            scale = (grad / count if ctx.reduction == "mean" else grad) * valid
+        out = torch.empty_like(logits)
+        for rows in _row_blocks(*logits.shape):
+            g = torch.exp(logits[rows].to(wide) - log_sum_exp[rows, None])  # the softmax
+            g[torch.arange(g.shape[0], device=g.device), local[rows]] -= mine[rows].to(wide)
+            out[rows] = g.mul_(scale[rows, None])
+        return out, None, None, None, None
 
 
 def vocab_cross_entropy(

@@ -43,6 +43,39 @@ def _cross_entropy_cases(world: int, rank: int, failures: list[str]) -> None:
             failures.append(f"cross_entropy {reduction}: {got} != {expected}")
         if not torch.allclose(shard.grad, full.grad.chunk(world, -1)[rank], rtol=1e-12):
             failures.append(f"cross_entropy {reduction}: gradient differs")
+    _cross_entropy_blocks_and_bf16(world, rank, failures, group, logits, target)
+
+
+def _cross_entropy_blocks_and_bf16(world, rank, failures, group, logits, target) -> None:
+    """Row blocks give the same result as one block; under bf16 what backward keeps is the
+    bf16 logits shard and [tokens] vectors, not an fp32 softmax (2x the logits)."""
+    for dtype, block in ((torch.float64, VOCAB), (torch.bfloat16, vp.BLOCK_ELEMENTS)):
+        low = logits.to(dtype)
+        full = low.double().detach().clone().requires_grad_()
+        expected = F.cross_entropy(full, target)
+        expected.backward()
+        shard = low.chunk(world, -1)[rank].detach().clone().requires_grad_()
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t.nbytes)
+            return t
+
+        kept, vp.BLOCK_ELEMENTS = vp.BLOCK_ELEMENTS, block  # VOCAB: a few rows a block
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                got = vp.vocab_cross_entropy(shard, target, None, 1, -100, group=group)
+            got.backward()
+        finally:
+            vp.BLOCK_ELEMENTS = kept
+        tol = {"rtol": 1e-12, "atol": 0} if dtype == torch.float64 else {"rtol": 1e-2, "atol": 1e-3}
+        if not torch.allclose(got.double(), expected, **tol):
+            failures.append(f"cross_entropy {dtype}: {got} != {expected}")
+        if not torch.allclose(shard.grad.double(), full.grad.chunk(world, -1)[rank], **tol):
+            failures.append(f"cross_entropy {dtype}: gradient differs")
+        vectors = 8 * 4 * len(target)  # log-sum-exp, targets, masks: a few per token
+        if dtype == torch.bfloat16 and sum(saved) > shard.nbytes + vectors:
+            failures.append(f"cross_entropy bf16 saves {sum(saved)} bytes, logits {shard.nbytes}")
 
 
 def _embedding_collectives(engine) -> list[str]:
