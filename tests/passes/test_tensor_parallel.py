@@ -101,10 +101,11 @@ SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "max_position_embeddings": SEQ * 2}  # fmt: skip
 
 
-def llama_default(seed: int = 0) -> torch.nn.Module:
+def llama_default(seed: int = 0, kv_heads: int = 2) -> torch.nn.Module:
     import transformers
 
-    config = _default_config("LlamaConfig", num_key_value_heads=2, pad_token_id=0, **SMALL)
+    config = _default_config("LlamaConfig", num_key_value_heads=kv_heads, pad_token_id=0,
+                             **SMALL)  # fmt: skip
     torch.manual_seed(seed)
     return LossOf(transformers.LlamaForCausalLM(config))
 
@@ -146,6 +147,8 @@ DEFAULTS = {"gpt2_default": gpt2_default, "llama_default": llama_default,
 def _make(name: str, world: int) -> torch.nn.Module:
     if name == "llama":
         return llama(kv_heads=world)  # kv heads split too: 2 (GQA) at world size 2
+    if name == "llama_default":  # GQA with 2 kv heads; at world 4 each rank needs one
+        return llama_default(kv_heads=max(2, world))
     return {"gpt": gpt, "gpt2": gpt2, **DEFAULTS}[name]()
 
 
