@@ -251,8 +251,11 @@ class _ScatterToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shape, comm):
         ctx.comm, ctx.shape = comm, x.shape
-        # a copy of the block only: the replicated tensor can be freed
-        return own_tokens(x.expand(shape), comm.world, comm.rank).clone()
+        # a copy of the block only (own_tokens' view of a contiguous tensor is copied), so
+        # the replicated tensor can be freed
+        block = own_tokens(x.expand(shape), comm.world, comm.rank)
+        shared = block.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        return block.clone() if shared else block
 
     @staticmethod
     def backward(ctx, grad):

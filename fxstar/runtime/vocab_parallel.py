@@ -114,10 +114,14 @@ class _VocabCrossEntropy(torch.autograd.Function):
         else:
             scale = (grad / count if ctx.reduction == "mean" else grad) * valid
         out = torch.empty_like(logits)
+        same = logits.dtype == wide  # then each block is computed in its place in `out`
         for rows in _row_blocks(*logits.shape):
-            g = torch.exp(logits[rows].to(wide) - log_sum_exp[rows, None])  # the softmax
+            g = torch.sub(logits[rows].to(wide), log_sum_exp[rows, None],
+                          out=out[rows] if same else None).exp_()  # the softmax  # fmt: skip
             g[torch.arange(g.shape[0], device=g.device), local[rows]] -= mine[rows].to(wide)
-            out[rows] = g.mul_(scale[rows, None])
+            g.mul_(scale[rows, None])
+            if not same:
+                out[rows] = g
         return out, None, None, None, None
 
 

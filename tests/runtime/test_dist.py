@@ -5,13 +5,12 @@ return what the parent asserts on.
 """
 
 import itertools
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxstar.copy_bytes import CopyBytes
 from fxstar.dist_launch import spawn
 from fxstar.runtime import dist as tp
 
@@ -142,37 +141,6 @@ def _saved_bytes(rank, n, recompute):
     return sum(saved.values())
 
 
-def _in_collective() -> bool:
-    """True inside a torch.distributed call or the wait for one (gloo's reduce_scatter copies
-    its own result into the output when it completes)."""
-    frame = sys._getframe()
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename.endswith("distributed_c10d.py") or code.co_qualname == "_Works.wait":
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _CopyLog(TorchDispatchMode):
-    """The aten ops that copy tensors (cat, stack, clone, copy_) run inside the block, with
-    the bytes each wrote, outside the collectives themselves: what a layout change around
-    a collective costs."""
-
-    COPIES = ("cat", "stack", "clone", "copy_", "_to_copy", "index")
-
-    def __init__(self):
-        super().__init__()
-        self.copies: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name in self.COPIES and isinstance(out, torch.Tensor) and not _in_collective():
-            self.copies.append((name, out.nbytes))
-        return out
-
-
 def _layout_copies(rank, n):
     """Copies the sequence-parallel linears and boundaries make, forward and backward, per
     mode (sync/async x keep/recompute): none, the blocks are the full tensors' rows."""
@@ -182,7 +150,7 @@ def _layout_copies(rank, n):
         x_in, w_in, b_in = _leaf(_block(x, rank, n)), _leaf(w[: OUT // n]), _leaf(b[: OUT // n])
         w_row = _leaf(w[: OUT // n].t())  # [H, OUT/N]: the row linear's input features
         grad_out = gy[..., :H].contiguous()
-        with _CopyLog() as log:
+        with CopyBytes() as log:
             y = tp.column_linear(x_in, w_in, b_in, sequence_parallel=True,
                                  async_comm=async_comm, recompute=recompute)  # fmt: skip
             z = tp.row_linear(y, w_row, None, sequence_parallel=True, async_comm=async_comm)
