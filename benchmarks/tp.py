@@ -6,7 +6,8 @@ ranks (gloo on CPU by default), tokens/s of a forward+backward step and the peak
 for backward (saved-tensor hooks; parameters not counted), each against sync-keep. Modes are
 timed in interleaved rounds, their order rotated each round, and the median kept. On a 2-core
 CPU the two ranks share the cores and the all-gathers are cheap next to the matmuls, so the
-time column moves by a few percent and with the machine's load; the memory column is exact.
+time column moves by a few percent and with the machine's load; the memory column is exact,
+and so is the copied column (bytes written by copy ops outside the collectives in a step).
 
 The second table: vocab-parallel embedding/head/cross-entropy on and off (a 'replicate' rule
 on the head) for a GPT with a 32K vocabulary, at each of `--vocab-worlds`: tokens/s and the
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import fxstar
+from fxstar.copy_bytes import CopyBytes
 from fxstar.dist_launch import spawn
 from fxstar.models.gpt import GPT, GPTConfig
 
@@ -45,6 +47,7 @@ class Row:
     tokens_ratio: float
     saved_bytes: int
     saved_ratio: float
+    copied_bytes: int  # written by cat/stack/clone/copy_ in a step, outside the collectives
 
 
 def _engine(args: argparse.Namespace, world: int, mode: tuple[str, str], vocab: int = 0,
@@ -82,6 +85,15 @@ def _saved_bytes(engine, inputs) -> int:
     return sum(saved.values())
 
 
+def _copied_bytes(engine, inputs) -> int:
+    """Bytes the step writes with copy ops outside the collectives (fxstar.copy_bytes): what
+    layout changes around the collectives would cost; the model's own copies count too."""
+    with CopyBytes() as log:
+        engine(*inputs).backward()
+    engine.zero_grad()
+    return sum(nbytes for _, nbytes in log.copies)
+
+
 def _step(engine, inputs) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -94,6 +106,7 @@ def _step(engine, inputs) -> float:
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     engines = {mode: _engine(args, world, mode) for mode in MODES}
     saved = {mode: _saved_bytes(*engines[mode]) for mode in MODES}
+    copied = {mode: _copied_bytes(*engines[mode]) for mode in MODES}
     for mode in MODES:  # warm up
         _step(*engines[mode])
     times: dict[tuple, list[float]] = {mode: [] for mode in MODES}
@@ -102,7 +115,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict | None:
             times[mode].append(min(_step(*engines[mode]) for _ in range(args.steps)))
     if rank != 0:
         return None
-    return {"saved": saved, "step_s": {m: statistics.median(t) for m, t in times.items()}}
+    step_s = {m: statistics.median(t) for m, t in times.items()}
+    return {"saved": saved, "copied": copied, "step_s": step_s}
 
 
 VOCAB_MODES = (True, False)  # vocab-parallel on, off
@@ -204,22 +218,25 @@ def _modes_table(args: argparse.Namespace) -> list[Row]:
             tokens_per_s=tokens / step, tokens_ratio=result["step_s"][base] / step,
             saved_bytes=result["saved"][mode],
             saved_ratio=result["saved"][mode] / result["saved"][base],
+            copied_bytes=result["copied"][mode],
         ))  # fmt: skip
     print(f"tp{args.world_size} ({args.backend}, {args.threads} thread/rank), sequence parallel, "
           f"GPT {args.layers}x{args.width}, batch {args.batch_size} x seq {args.seq_len}; "
           f"torch {torch.__version__}")  # fmt: skip
     header = f"{'comm':>6} {'input':>10} {'step ms':>9} {'tokens/s':>9} {'vs base':>8} " + (
-        f"{'saved MiB':>10} {'vs base':>8}"
+        f"{'saved MiB':>10} {'vs base':>8} {'copied MiB':>11}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r.communication:>6} {r.gathered_input:>10} {r.step_ms:>9.1f} "
               f"{r.tokens_per_s:>9.0f} {r.tokens_ratio - 1:>+8.1%} "
-              f"{r.saved_bytes / 2**20:>10.2f} {r.saved_ratio - 1:>+8.1%}")  # fmt: skip
+              f"{r.saved_bytes / 2**20:>10.2f} {r.saved_ratio - 1:>+8.1%} "
+              f"{r.copied_bytes / 2**20:>11.2f}")  # fmt: skip
     print("vs base: against sync-keep in the same run (tokens/s up is better, saved bytes down")
     print("is better). nanotron #208, tp4 Llama-8B on A100: async+recompute +3% tokens/s, -16%")
-    print("memory.")
+    print("memory. copied: bytes a step writes with cat/stack/clone/copy_ outside the")
+    print("collectives, per rank (the model's own split/cat backward included).")
     return rows
 
 

@@ -300,7 +300,7 @@ class Engine(nn.Module):
         first = TP_GROUP not in self.shared
         if first:  # one process group per engine, with plan.dist_timeout, gone with it
             group = self.shared[TP_GROUP] = tp.new_group(self.plan.dist_timeout)
-            weakref.finalize(self, tp.release_group, group).atexit = False
+            weakref.finalize(self, group.release).atexit = False
         agreement.agree(program, self.shared[TP_GROUP], tensors=first)
 
     def _setup_chunks(self, program: Program) -> None:
@@ -609,9 +609,7 @@ class Engine(nn.Module):
         if self.chunks is not None:
             self.chunks.close()
         for key in (TP_GROUP, DP_GROUP):
-            group = self.shared.pop(key, None)
-            if group is not None:
-                tp.release_group(group)
+            tp.release_group(self.shared.pop(key, None))
         self._closed = True
         self.programs.clear()
         self._optimizer = None

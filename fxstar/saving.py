@@ -78,7 +78,6 @@ from fxstar.errors import CheckpointError
 from fxstar.mesh import DP_GROUP
 from fxstar.passes.tensor_parallel import GROUP_KEY
 from fxstar.runtime import dist as tp
-from fxstar.runtime import rng_tracker
 from fxstar.weights import WeightSource, write_safetensors
 
 if TYPE_CHECKING:
@@ -199,9 +198,7 @@ def _remap_optimizer(engine: Engine, saved: dict[str, Any], names: list[list[str
 def _rank_stream(engine: Engine) -> Any:
     """The tensor-parallel RNG tracker of the engine's process group, or None."""
     group = engine.shared.get(GROUP_KEY)
-    if group is None or rng_tracker.new_stream_needed(group):
-        return None
-    return rng_tracker.stream(group)
+    return None if group is None else group.stream
 
 
 def _rank_stream_state(engine: Engine) -> dict[str, Any]:
@@ -268,7 +265,7 @@ def save(engine: Engine, path: str | os.PathLike) -> Path:
     return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks, states), group)
 
 
-def _gather_states(engine: Engine, group: str | None) -> list[tuple[Any, dict]]:
+def _gather_states(engine: Engine, group: tp.TPGroup | None) -> list[tuple[Any, dict]]:
     """Every rank's training state as `_to_json` splits it, on rank 0 (in rank order; empty
     elsewhere). A rank that cannot give its state sends the error, which rank 0 raises (and
     `_on_rank_zero` tells every rank), so no rank waits for a state that never comes."""
@@ -351,7 +348,7 @@ def _ranks(engine: Engine) -> int:
     return dist.get_world_size()
 
 
-def _group(engine: Engine) -> str | None:
+def _group(engine: Engine) -> tp.TPGroup | None:
     """The engine's own process group (tensor or data parallel)."""
     return engine.shared.get(GROUP_KEY) or engine.shared.get(DP_GROUP)
 
@@ -371,7 +368,7 @@ def _consolidated(directory: Path, meta: Mapping[str, Any], state: dict[str, Any
     return {**state, "optimizer": {**state["optimizer"], "state": merged}}
 
 
-def _on_rank_zero(save: Callable[[], Path], group: str | None = None) -> Path:
+def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> Path:
     """Run `save` on rank 0 alone; every rank returns its path, or raises if it failed, so none
     goes on before the checkpoint is whole (a barrier that carries the outcome)."""
     outcome: list[Any] = [None]

@@ -9,7 +9,9 @@ Follows the decision of `checkpoint_regions`. The form, which later passes desce
 - a region is a submodule `checkpoint_<i>` of the program's GraphModule whose placeholders
   are the region's inputs, named after the outer nodes that feed them; parameters used
   inside are inputs too (never get_attr), so a pass that fetches parameters for the region
-  can put its nodes inside it, and they run again during recomputation;
+  can put its nodes inside it, and they run again during recomputation; a runtime object
+  the program's graph holds (the tensor-parallel `tp_group`) the region holds too, as a
+  get_attr of its own, so recomputation finds it (its RNG stream is replayed);
 - the call is a call_function node with the get_attr of the submodule among its arguments
   (the first one here; `region_of(node)` finds it, whatever wraps the call); the submodule
   is marked (`meta[REGION_KEY]`, the region's module path), so the submodules of torch's
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import operator
 
-from torch import fx
+from torch import fx, nn
 
 from fxstar.dump import NOTES_KEY, note
 from fxstar.passes import Pass, register
@@ -61,6 +63,14 @@ def _region_arg(node: fx.Node) -> tuple[int, fx.GraphModule] | None:
     return None
 
 
+def _held_runtime(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A get_attr of a module that is not a region: a runtime object the graph holds."""
+    if node.op != "get_attr":
+        return False
+    module = getattr(gm, str(node.target), None)
+    return isinstance(module, nn.Module) and not isinstance(module, fx.GraphModule)
+
+
 def region_of(node: fx.Node) -> fx.GraphModule | None:
     """The region submodule a call node runs, or None if it is not a region call."""
     found = _region_arg(node)
@@ -89,12 +99,16 @@ def fuse_region(program: Program, region: Region, name: str) -> fx.Node:
     nodes = [by_name[n] for n in region.nodes]
     members = set(nodes)
     inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    # a runtime object the program's graph holds (the tensor-parallel group): the region
+    # holds it too, rather than take it as an input
+    held = [a for a in inputs if _held_runtime(gm, a)]
+    inputs = [a for a in inputs if a not in held]
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     if not outputs:
         raise ValueError(f"checkpoint region {region.module!r} has no outputs used after it")
 
     body = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    env: dict[fx.Node, fx.Node] = {a: body.get_attr(a.target) for a in held}
     for a in inputs:
         env[a] = body.placeholder(a.name)
         env[a].meta = {k: a.meta[k] for k in ("val", "tensor_meta") if k in a.meta}

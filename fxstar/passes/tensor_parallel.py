@@ -28,11 +28,12 @@ from fxstar.program import Program
 from fxstar.runtime import agreement, rng_tracker
 from fxstar.runtime import dist as tp
 from fxstar.runtime import vocab_parallel as vp
+from fxstar.runtime.tp_group import ATTR
 
 __all__ = ["GROUP_KEY", "TensorParallel", "shard_of", "unshard"]
 
 
-GROUP_KEY = "tensor_parallel.group"  # Program.shared: the engine's process group (a tp key)
+GROUP_KEY = "tensor_parallel.group"  # Program.shared: the engine's TPGroup
 
 
 def shard_of(full: torch.Tensor, dim: int, parts: int, n: int, rank: int) -> torch.Tensor:
@@ -47,7 +48,7 @@ def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
     return torch.cat(pieces, dim + 1).flatten(dim, dim + 1)
 
 
-def _consolidate(dim: int, parts: int, group: str):
+def _consolidate(dim: int, parts: int, group: tp.TPGroup):
     def glue(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         (shard,) = tensors.values()
         return unshard(tp.gather_shards(shard.detach(), group), dim, parts)
@@ -55,13 +56,21 @@ def _consolidate(dim: int, parts: int, group: str):
     return glue
 
 
-def _engine_group(program: Program) -> str:
+def _engine_group(program: Program) -> tp.TPGroup:
     """A process group with plan.dist_timeout, destroyed when the engine's parameter store is
     freed (the Engine has no hook for it yet)."""
     group = tp.new_group(program.plan.dist_timeout)
     if program.store is not None:
-        weakref.finalize(program.store, tp.release_group, group).atexit = False
+        weakref.finalize(program.store, group.release).atexit = False
     return group
+
+
+def _group_node(gm: fx.GraphModule, group: tp.TPGroup) -> fx.Node:
+    """The graph's get_attr of the group its collectives run on, added as its submodule."""
+    gm.add_submodule(ATTR, group)
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        return gm.graph.get_attr(ATTR)
 
 
 def _local_val(val: Any, dim: int, n: int) -> Any:
@@ -72,11 +81,7 @@ def _local_val(val: Any, dim: int, n: int) -> Any:
         return val
     shape = list(val.shape)
     shape[dim] //= n
-    mode = getattr(val, "fake_mode", None)
-    if mode is None:
-        return torch.empty(shape, dtype=val.dtype, device="meta")
-    with mode:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
+    return _shaped_val(val, tuple(shape))
 
 
 @register
@@ -123,7 +128,6 @@ class TensorParallel(Pass):
         sharding: Sharding = program.decisions.tp_sharding
         if rng_tracker.new_stream_needed(group):  # collective: every rank, once a group
             rng_tracker.new_stream(group)
-            weakref.finalize(program.store, rng_tracker.release, group).atexit = False
         _Rewrite(program, sharding, config, program.plan.mem_saving_comm, group).run()
         return program
 
@@ -145,6 +149,7 @@ class _Rewrite:
         self.recompute = config.async_communication if recompute is None else recompute
         self.mem_saving = mem_saving
         self.group = group
+        self.group_node = _group_node(program.graph_module, group)  # what the nodes name
 
     def run(self) -> None:
         s = self.sharding
@@ -159,9 +164,9 @@ class _Rewrite:
             self._replace_site(site)
         if s.vocab is not None:
             self._vocab(s.vocab)
-        self._boundaries(s.scatters, tp.scatter_to_seq, "scatter", -2)
-        self._boundaries(s.gathers, tp.gather_from_seq, "gather", -2)
-        self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce", None)
+        self._boundaries(s.scatters, tp.scatter_to_seq, "scatter")
+        self._boundaries(s.gathers, tp.gather_from_seq, "gather")
+        self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce")
         self._random_streams(s)
 
     # -- linears --------------------------------------------------------------------------------
@@ -199,7 +204,7 @@ class _Rewrite:
         kwargs = {"sequence_parallel": self.sp, "async_comm": self.async_comm}
         if column:
             kwargs["recompute"] = self.recompute
-        kwargs.update(mem_saving=self.mem_saving, transposed=site.transposed, group=self.group)
+        kwargs.update(mem_saving=self.mem_saving, transposed=site.transposed, group=self.group_node)
         fn = tp.column_linear if column else tp.row_linear
         with self.graph.inserting_before(out):
             name = f"{site.style}_{site.module.replace('.', '_')}"
@@ -225,7 +230,7 @@ class _Rewrite:
     # -- the vocabulary: embeddings on the head's shard, the loss on the logits' shards --------
 
     def _vocab(self, vocab) -> None:
-        kwargs = {"mem_saving": self.mem_saving, "group": self.group}
+        kwargs = {"mem_saving": self.mem_saving, "group": self.group_node}
         head = self.nodes[vocab.head]  # the column_linear that replaced the head
         head_weight = head.args[1]
         slots = self.program.placeholder_kinds()
@@ -243,6 +248,10 @@ class _Rewrite:
                 kwargs,
             )
             note(node, "tp", "vocab-parallel")
+            if name in vocab.scattered:  # summed and cut into token blocks at once
+                node.kwargs = {**kwargs, "sequence_parallel": True}
+                node.meta["val"] = _local_val(self.full_vals[name], -2, self.n)
+                note(node, "tp", "vocab-parallel, reduce-scatter")
             if not weight.users:
                 self.program.remove_input(weight)
         loss = self.nodes[vocab.loss]
@@ -269,25 +278,27 @@ class _Rewrite:
             node = self.nodes[name]
             dropout = node.target is torch.ops.aten.dropout.default
             node.target = rng_tracker.rank_dropout if dropout else rng_tracker.rank_attention
-            node.kwargs = {**node.kwargs, "group": self.group}
+            node.kwargs = {**node.kwargs, "group": self.group_node}
             note(node, "rng", "rank stream")
         for name in s.seq_random:
             node = self.nodes[name]
             node.target = rng_tracker.seq_dropout
-            node.kwargs = {**node.kwargs, "dim": -2, "group": self.group}
-            note(node, "rng", "sequence mask, own slice")
+            node.kwargs = {**node.kwargs, "group": self.group_node}
+            note(node, "rng", "sequence mask, own block")
 
     # -- collectives at the edges of the sequence-sharded region ---------------------------------
 
-    def _boundaries(self, edges, fn, label: str, dim: int | None) -> None:
-        made: dict[str, fx.Node] = {}
+    def _boundaries(self, edges, fn, label: str) -> None:
+        made: dict[tuple, fx.Node] = {}
         order = {node: i for i, node in enumerate(self.graph.nodes)}
         for edge in sorted(edges, key=lambda e: order[self.nodes[e.consumer]]):
             producer, consumer = self.nodes[edge.producer], self.nodes[edge.consumer]
-            new = made.get(edge.producer)
+            args: tuple = (producer,)
+            if label == "scatter":  # the block is cut from the tokens' shape
+                args = (producer, self._token_shape(edge))
+            new = made.get(args)
             if new is None:
-                kwargs = {"mem_saving": self.mem_saving, "group": self.group}
-                args = (producer,) if dim is None else (producer, dim)
+                kwargs = {"mem_saving": self.mem_saving, "group": self.group_node}
                 with self.graph.inserting_before(consumer):
                     new = self.graph.create_node(
                         "call_function", fn, args, kwargs, name=f"{label}_{producer.name}"
@@ -295,20 +306,33 @@ class _Rewrite:
                 new.meta["nn_module_stack"] = consumer.meta.get("nn_module_stack", {})
                 val = producer.meta.get("val")
                 if label == "scatter":
-                    val = _local_val(val, -2, self.n)
+                    val = _shaped_val(val, _local_shape(args[1] or val.shape, self.n))
                 elif label == "gather":
-                    val = _gathered_val(val, self.n)
+                    val = _shaped_val(val, tp.full_shape(val.shape, self.n))
                 new.meta["val"] = val
                 note(new, "tp", label)
-                made[edge.producer] = new
+                made[args] = new
             consumer.replace_input_with(producer, new)
 
+    def _token_shape(self, edge) -> tuple[int, ...] | None:
+        """What a replicated tensor broadcasts to among the consumer's tokens (every dim but
+        the features), None when it is its own shape: a rank's token block is cut from it."""
+        own = tuple(self.full_vals[edge.producer].shape)
+        tokens = tuple(self.full_vals[edge.consumer].shape[:-1])
+        shape = (*torch.broadcast_shapes(own[:-1], tokens), own[-1])
+        return None if shape == own else shape
 
-def _gathered_val(val: Any, n: int) -> Any:
+
+def _local_shape(shape: Any, n: int) -> tuple[int, ...]:
+    local = list(shape)
+    local[-2] //= n
+    return tuple(local)
+
+
+def _shaped_val(val: Any, shape: tuple[int, ...]) -> Any:
+    """`val`'s metadata with shape `shape` (a scatter's block, a gather's full tensor)."""
     if not isinstance(val, torch.Tensor):
         return val
-    shape = list(val.shape)
-    shape[-2] *= n
     mode = getattr(val, "fake_mode", None)
     if mode is None:
         return torch.empty(shape, dtype=val.dtype, device="meta")

@@ -6,7 +6,8 @@ names), carries each column linear's output split forward to the row linear with
 op (`tp_rules`: view of heads, transpose, cat, split, attention, elementwise, ...), which also
 give the per-rank shape arguments, marks replicated tensors with a gradient that split work
 reads (their gradient is partial on each rank: summed), and with sequence parallelism finds
-the nodes that can run on a sequence slice and the edges where a tensor must be sliced,
+the nodes that can run on a token block (a rank's slice of the flattened
+[batch * seq] tokens) and the edges where a tensor must be sliced,
 gathered, or have its gradient summed. Everything it decides is data in
 `program.decisions.tp_sharding` (a `Sharding`), and a note per node in dumps; it needs no process
 group (only `plan.tensor_parallel.size`).
@@ -132,14 +133,14 @@ class Sharding:
     args: dict[str, tuple] = field(default_factory=dict)  # node -> args with per-rank sizes
     carried_by: dict[str, str] = field(default_factory=dict)  # split node -> tp_rules rule
     seq_len: int | None = None
-    seq_nodes: list[str] = field(default_factory=list)  # run on sequence slices (dim -2)
+    seq_nodes: list[str] = field(default_factory=list)  # run on token blocks (dim -2 / N)
     scatters: list[Edge] = field(default_factory=list)  # replicated -> slice for the consumer
     gathers: list[Edge] = field(default_factory=list)  # slices -> whole for the consumer
     grad_reduces: list[Edge] = field(default_factory=list)  # read by rank-local work: sum grads
     vocab: VocabParallel | None = None  # the head, loss and embeddings split by vocabulary
     vocab_off: str = ""  # why the head stays whole, when it does
     rank_random: list[str] = field(default_factory=list)  # dropouts on splits: own stream
-    seq_random: list[str] = field(default_factory=list)  # dropouts on sequence slices
+    seq_random: list[str] = field(default_factory=list)  # dropouts on token blocks
 
     def site(self, output: str) -> LinearSite:
         return next(s for s in self.sites if s.output == output)
@@ -382,14 +383,16 @@ class _Carrier:
 # -- the sequence-sharded region ------------------------------------------------------------------
 
 
-def _seq_local(node: fx.Node, seq: int, excluded: set[str]) -> bool:
-    """True when `node` computes each position of dim -2 from the same position only."""
+def _seq_local(node: fx.Node, tokens: tuple[int, ...], excluded: set[str]) -> bool:
+    """True when `node` computes each token from the same token only, over every token
+    (`tokens`: all dims but the features; one broadcast over the batch is replicated work,
+    since a rank's token block may span sequences)."""
     if node.op != "call_function" or node.name in excluded:
         return False
     op = op_name(node)
     shape = static_shape(node)
     val = _val(node)
-    if shape is None or len(shape) < 2 or shape[-2] != seq or not val.is_floating_point():
+    if shape is None or tuple(shape[:-1]) != tokens or not val.is_floating_point():
         return False
     if op in ELEMENTWISE | UNARY:
         return True
@@ -409,13 +412,14 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
     graph = program.graph_module.graph
     nodes = {node.name: node for node in graph.nodes}
     columns = [s for s in sharding.sites if s.style == "column"]
-    seqs = {(static_shape(nodes[s.input]) or (0, 0))[-2] for s in columns}
-    if len(seqs) != 1:
+    shapes = {tuple((static_shape(nodes[s.input]) or (0, 0))[:-1]) for s in columns}
+    if len(shapes) != 1:
         raise TPShardingError(
-            f"sequence parallel needs one sequence length (dim -2) at every column-parallel "
-            f"input, found {sorted(seqs)}"
+            f"sequence parallel needs one token shape (batch, sequence) at every "
+            f"column-parallel input, found {sorted(shapes)}"
         )
-    seq = seqs.pop()
+    tokens = shapes.pop()
+    seq = tokens[-1]
     if seq % n:
         raise TPShardingError(
             f"sequence parallel splits the sequence ({seq}) across {n} ranks: make it divisible"
@@ -431,7 +435,7 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
     region: set[str] = set(row_outputs)
     queue = deque(row_outputs)
     for s in columns:
-        if _seq_local(nodes[s.input], seq, excluded):
+        if _seq_local(nodes[s.input], tokens, excluded):
             region.add(s.input)
             queue.append(s.input)
     while queue:
@@ -440,7 +444,7 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
         if node.name not in row_outputs:
             neighbours += node.all_input_nodes
         for m in neighbours:
-            if m.name not in region and _seq_local(m, seq, excluded):
+            if m.name not in region and _seq_local(m, tokens, excluded):
                 region.add(m.name)
                 queue.append(m.name)
 
@@ -463,15 +467,16 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
 
 
 def _boundary(sharding: Sharding, m: fx.Node, user: fx.Node, seq: int) -> None:
-    """A replicated `m` read by sequence-local `user`: slice it, or sum its gradient."""
+    """A replicated `m` read by sequence-local `user`: cut this rank's token block from it
+    (a rank's block spans sequences when the batch is > 1), or sum its gradient."""
     shape = static_shape(m)
     val = _val(m)
     if shape is None or not val.is_floating_point():
         return
-    if len(shape) >= 2 and shape[-2] == seq:
-        sharding.scatters.append(Edge(m.name, user.name))
-    elif len(shape) < 2 or shape[-2] == 1:
+    if len(shape) < 2 or all(d == 1 for d in shape[:-1]):  # the same for every token
         sharding.grad_reduces.append(Edge(m.name, user.name))
+    elif shape[-2] in (seq, 1):  # per token, or per sequence of a batch: cut the block
+        sharding.scatters.append(Edge(m.name, user.name))
     else:
         raise TPShardingError(
             f"sequence parallel: node {user.name} at {module_path(user) or '<model>'} runs on "
@@ -492,6 +497,21 @@ def _check_slices_meet_splits(sharding: Sharding, needs_grad: set[fx.Node]) -> N
                 f"features but reads {edge.producer}, computed on sequence slices and "
                 f"trained; turn sequence_parallel off"
             )
+
+
+def _scatter_vocab_sums(program: Program, sharding: Sharding) -> None:
+    """A vocab-parallel embedding whose every reader runs on token blocks, over its own
+    tokens: its all-reduce and the scatter after it become one reduce-scatter."""
+    if sharding.vocab is None:
+        return
+    nodes = {node.name: node for node in program.graph_module.graph.nodes}
+    for name in sharding.vocab.embeddings:
+        edges = [e for e in sharding.scatters if e.producer == name]
+        tokens = (static_shape(nodes[name]) or ())[:-1]
+        readers = {e.consumer for e in edges if static_shape(nodes[e.consumer])[:-1] == tokens}
+        if edges and readers == {u.name for u in nodes[name].users if not passive(u)}:
+            sharding.vocab.scattered.append(name)
+            sharding.scatters = [e for e in sharding.scatters if e.producer != name]
 
 
 def _dropout_p(node: fx.Node) -> float:
@@ -558,7 +578,7 @@ class TPSharding(Pass):
         if config.sequence_parallel and program.plan.cpu_embedding:
             raise TPShardingError(
                 "tensor_parallel.sequence_parallel with cpu_embedding is not supported yet: the "
-                "host lookup's rows are not cut to each rank's sequence slice. Turn one of them "
+                "host lookup's rows are not cut to each rank's token block. Turn one of them "
                 "off (cpu_embedding composes with tensor parallel without sequence_parallel)"
             )
         n = config.size
@@ -586,6 +606,7 @@ class TPSharding(Pass):
         if config.sequence_parallel:
             _sequence_region(program, sharding, set(sharding.sharded), n)
             _check_slices_meet_splits(sharding, carrier.needs_grad)
+            _scatter_vocab_sums(program, sharding)
         _random_streams(program, sharding)
         program.decisions.tp_sharding = sharding
         self._annotate(program, sharding)
@@ -607,7 +628,7 @@ class TPSharding(Pass):
         for name in sharding.rank_random:
             note(nodes[name], "rng", "rank stream")
         for name in sharding.seq_random:
-            note(nodes[name], "rng", "sequence mask, own slice")
+            note(nodes[name], "rng", "sequence mask, own block")
         vocab = sharding.vocab
         for name in (vocab.loss, *vocab.embeddings) if vocab else ():
             note(nodes[name], "tp", "vocab-parallel")

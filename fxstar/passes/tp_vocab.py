@@ -52,6 +52,9 @@ class VocabParallel:
     returned: list[str] = field(default_factory=list)  # chain nodes the model returns whole
     split: dict[str, tuple[int, str]] = field(default_factory=dict)  # chain: (dim, tp_rules rule)
     args: dict[str, tuple] = field(default_factory=dict)  # chain: args with per-rank sizes
+    # embeddings read only on sequence-parallel token blocks: one reduce-scatter sums the
+    # ranks' rows and hands each its block (no all-reduce, then a scatter)
+    scattered: list[str] = field(default_factory=list)
 
 
 def _plan_style(path: str, rules: dict[str, str]) -> tuple[str, str] | None:

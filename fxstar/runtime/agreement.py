@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fxstar.errors import RankMismatchError
 from fxstar.runtime import dist as comm
+from fxstar.runtime.tp_group import TPGroup
 
 __all__ = ["RankMismatchError", "agree", "fingerprint", "mismatch_message"]
 
@@ -198,7 +199,7 @@ def mismatch_message(prints: Sequence[Mapping], texts: Sequence[str] | None = No
 # -- agreeing -------------------------------------------------------------------------------------
 
 
-def _all_gather(obj: Any, group: str | None, purpose: str) -> list[Any]:
+def _all_gather(obj: Any, group: TPGroup | None, purpose: str) -> list[Any]:
     pg = comm.process_group(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
     with comm.guard(f"all_gather_object ({purpose}, at compile)", group):
@@ -206,7 +207,7 @@ def _all_gather(obj: Any, group: str | None, purpose: str) -> list[Any]:
     return out
 
 
-def agree(program: Any, group: str | None, *, tensors: bool = True) -> None:
+def agree(program: Any, group: TPGroup | None, *, tensors: bool = True) -> None:
     """Compare this rank's plan, captured graph and (with `tensors`) the store's parameters
     and buffers with every other rank's over `group`; raise RankMismatchError on every rank if
     they differ. Pass tensors=True only while the store holds full, replicated values (an

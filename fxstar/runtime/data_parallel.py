@@ -44,7 +44,7 @@ __all__ = ["ChunkGroups"]
 class ChunkGroups:
     """Which chunks this rank owns, and the collectives that keep the replicas one model."""
 
-    def __init__(self, size: int, group: str, *, mem_saving: bool = False):
+    def __init__(self, size: int, group: comm.TPGroup, *, mem_saving: bool = False):
         self.group = group
         self.pg = comm.process_group(group)
         self.size = size

@@ -6,10 +6,15 @@ reduce-scatter; an all-gather before a replicated op (the LM head) needs only th
 slice back. torch's functional collectives pick one (and double gradients in the other case);
 here the tensor-parallel pass chooses per site.
 
-Layout: activations are [..., seq, hidden] (transformers' [batch, seq, hidden]); sequence
-parallelism shards dim -2. A gathered activation is kept rank-major, [N, ..., seq/N, hidden],
-which is what `all_gather_into_tensor` writes without a copy; matmuls run on it directly and
-only the output is reordered to [..., seq, out].
+Layout: activations are [..., seq, hidden] (transformers' [batch, seq, hidden]). Sequence
+parallelism gives rank r the r-th of N equal blocks of the flattened tokens [batch * seq]
+(for batch 1, its slice of the sequence), shaped [..., seq/N, hidden]. Why tokens rather than
+each sequence's slice: a rank's block is then contiguous in the full activation, so
+`all_gather_into_tensor` writes the full [..., seq, hidden] in place and
+`reduce_scatter_tensor` reads it in place; slicing dim -2 of a batch would need a stack/cat
+copy of activation size around every collective. The sequence-parallel region only holds
+token-wise work (norms, residual adds, dropout: tp_sharding checks), to which which tokens a
+rank holds makes no difference; `own_tokens` is the one place that knows the blocks.
 
 The column and row linears follow nanotron's (PR #208, #172): sync or async communication,
 and keep or recompute the gathered input. Recompute saves only the rank's shard for backward
@@ -17,38 +22,47 @@ and re-gathers it into one reusable buffer (any device), overlapped with grad_in
 `mem_saving=True` swaps the collectives for PatrickStar's: N broadcasts for an all-gather and
 N reduces through one scratch buffer for a reduce-scatter.
 
-Process groups: an engine runs its collectives on a group of its own (`new_group`), made with
-`plan.dist_timeout`, so a rank that stopped (crashed, skipped a step, diverged) makes the others
-raise a `CollectiveError` naming the collective instead of waiting out gloo's 30 minutes. Graph
-nodes name the group by a string key (`group=`): a process group cannot be written into graph
-code, and the key reads well in dumps.
+Process groups: an engine runs its collectives on a group of its own, a `TPGroup` the graph
+holds (`runtime/tp_group.py`: its timeout makes a stopped peer a `CollectiveError`, not a
+hang); graph nodes pass it as `group=` (a `get_attr` of the graph). `group=None` is torch's
+default group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import datetime
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxstar.errors import CollectiveError
+from fxstar.runtime.buffer_pool import BufferPool
+from fxstar.runtime.tp_group import (
+    TPGroup,
+    group_timeout,
+    guard,
+    new_group,
+    process_group,
+    release_group,
+)
 
 __all__ = [
     "CollectiveError",
     "Collectives",
+    "TPGroup",
     "all_gather_seq",
     "all_reduce_forward",
     "column_linear",
+    "full_shape",
     "gather_from_seq",
     "gather_shards",
     "grad_all_reduce",
     "group_timeout",
+    "guard",
+    "process_group",
     "new_group",
+    "own_tokens",
     "reduce_scatter_seq",
     "release_group",
     "row_linear",
@@ -63,127 +77,13 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# -- process groups and their failures ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    pg: Any  # dist.ProcessGroup
-    timeout: float  # seconds
-
-
-_GROUPS: dict[str, _Group] = {}
-_KEYS = itertools.count()
-
-
-def new_group(timeout: float) -> str:
-    """A process group over every rank whose collectives give up after `timeout` seconds; its
-    key is what graph nodes and `Collectives` name it by. Collective: every rank calls it at
-    the same point, so the keys agree across ranks too."""
-    try:
-        pg = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as error:
-        if not _lost_peer(error):
-            raise
-        raise CollectiveError(
-            f"creating the engine's process group on rank {dist.get_rank()} of "
-            f"{dist.get_world_size()} timed out after {timeout:g} s: another rank did not reach "
-            "the same compile (it failed before, in capture or tp_sharding, or its plan has no "
-            "tensor_parallel). Look for the first error in the other ranks' output; "
-            f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
-        ) from error
-    key = f"fxstar{next(_KEYS)}"
-    _GROUPS[key] = _Group(pg, float(timeout))
-    return key
-
-
-def release_group(key: str) -> None:
-    """Destroy the group `key` (its engine is closed or freed); an unknown key is ignored."""
-    group = _GROUPS.pop(key, None)
-    if group is None or not dist.is_initialized():
-        return
-    with contextlib.suppress(ValueError, RuntimeError):  # gone with the default group already
-        dist.destroy_process_group(group.pg)
-
-
-def process_group(key: str | None) -> Any:
-    """The ProcessGroup behind `key`; None stays None (torch's default group)."""
-    if key is None:
-        return None
-    try:
-        return _GROUPS[key].pg
-    except KeyError:
-        raise CollectiveError(
-            f"process group {key!r} does not exist in this process: the engine that made it "
-            "was closed or freed, or the graph came from another process; compile the model "
-            "again"
-        ) from None
-
-
-def group_timeout(key: str | None) -> float | None:
-    """Seconds the collectives of group `key` wait; None for the default group (torch's)."""
-    group = _GROUPS.get(key) if key is not None else None
-    return None if group is None else group.timeout
-
-
-# What gloo (torch 2.13) raises when a peer is gone: a plain RuntimeError saying "Timed out
-# waiting 5000ms for recv operation to complete", "Connection closed by peer [...]" or, from the
-# store while a group is made, "Wait timeout". Other RuntimeErrors (bad shapes) pass unchanged.
-_LOST_PEER = ("timed out", "timeout", "connection", "closed by peer", "broken pipe")
-
-
-def _lost_peer(error: BaseException) -> bool:
-    if isinstance(error, dist.DistNetworkError):
-        return True
-    text = str(error).lower()
-    return any(sign in text for sign in _LOST_PEER)
-
-
-def _lost_peer_message(what: str, key: str | None, error: BaseException) -> str:
-    rank = dist.get_rank() if dist.is_initialized() else "?"
-    world = dist.get_world_size() if dist.is_initialized() else "?"
-    timeout = group_timeout(key)
-    text = str(error).strip()
-    if "time" in text.lower():
-        happened = f"timed out after {timeout:g} s" if timeout is not None else "timed out"
-    else:
-        happened = "lost its connection to another rank"
-    group = f"process group {key!r}" if key is not None else "the default process group"
-    limit = (
-        f"plan.dist_timeout ({timeout:g} s) bounds the wait"
-        if timeout is not None
-        else "init_process_group(timeout=...) bounds the wait"
-    )
-    first = text.splitlines()[0] if text else type(error).__name__
-    return (
-        f"{what} on rank {rank} of {world} {happened} ({group}): another rank probably "
-        "failed, stopped calling the engine (it raised and went on, or skipped a step), or "
-        "diverged (a different plan, model or input). Look for the first error in the other "
-        f"ranks' output; {limit}.\n  backend said: {first}"
-    )
-
-
-@contextlib.contextmanager
-def guard(what: str, group: str | None = None) -> Iterator[None]:
-    """Re-raise a timeout or a lost connection inside the block as a CollectiveError about
-    `what` (a collective and its caller) on `group` (a key; None = the default group)."""
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as error:
-        if not _lost_peer(error):
-            raise
-        raise CollectiveError(_lost_peer_message(what, group, error)) from error
-
-
 # -- collectives ----------------------------------------------------------------------------------
 
 
 class _Works:
     """Pending collectives behind one `wait()`, which names them if they fail."""
 
-    def __init__(self, works: list[Any] = (), what: str = "", group: str | None = None):
+    def __init__(self, works: list[Any] = (), what: str = "", group: TPGroup | None = None):
         self.works = [w for w in works if w is not None]
         self.what, self.group = what, group
 
@@ -194,36 +94,9 @@ class _Works:
         self.works = []
 
 
-class _BufferPool:
-    """One flat buffer per (purpose, dtype, device), grown on demand and handed out as views.
-
-    Recompute mode gathers into the "gather" buffer in forward and again in backward, one
-    linear at a time; mem_saving_comm reduces through the "scratch" buffer."""
-
-    def __init__(self) -> None:
-        self._flat: dict[tuple, torch.Tensor] = {}
-
-    def get(self, purpose: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        key = (purpose, like.dtype, like.device)
-        numel = 1
-        for s in shape:
-            numel *= s
-        flat = self._flat.get(key)
-        if flat is None or flat.numel() < numel:
-            flat = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._flat[key] = flat
-        return flat[:numel].view(shape)
-
-    def clear(self) -> None:
-        self._flat.clear()
-
-
-BUFFERS = _BufferPool()
-
-
 class Collectives:
-    """The collectives the TP ops use, over the group `group` (a key from `new_group`; None =
-    torch's default group). Groups span every rank, so a group rank is a global rank.
+    """The collectives the TP ops use, over `group` (a `TPGroup`; None = torch's default
+    group, with buffers of its own). Groups span every rank, so a group rank is a global rank.
 
     `op` and `phase` name the caller in errors ('all_gather in column_linear backward').
     `mem_saving`: all-gather as N broadcasts, reduce-scatter as N reduces through one scratch
@@ -232,18 +105,21 @@ class Collectives:
     """
 
     def __init__(
-        self, mem_saving: bool = False, group: str | None = None, op: str = "",
+        self, mem_saving: bool = False, group: TPGroup | None = None, op: str = "",
         phase: str = "forward",
     ):  # fmt: skip
         self.mem_saving = mem_saving
         self.group, self.op, self.phase = group, op, phase
         self.pg = process_group(group)
+        self.buffers = group.buffers if group is not None else BufferPool()
         self.rank = dist.get_rank(self.pg)
         self.world = dist.get_world_size(self.pg)
 
     def in_backward(self) -> Collectives:
         """The same collectives, named as the caller's backward in errors."""
-        return Collectives(self.mem_saving, self.group, self.op, "backward")
+        other = Collectives(self.mem_saving, self.group, self.op, "backward")
+        other.buffers = self.buffers  # recompute re-gathers into the forward's buffer
+        return other
 
     def _issue(self, name: str, issue: Callable[[], list[Any]]) -> _Works:
         what = f"{name} in {self.op} {self.phase}" if self.op else name
@@ -251,34 +127,37 @@ class Collectives:
             return _Works(issue(), what, self.group)
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
-        """out[r] = rank r's x; out is [N, *x.shape]."""
+        """out (contiguous, N times x's elements) = every rank's x, concatenated in rank
+        order: [N, *x.shape], or the full activation of N token blocks."""
         pg = self.pg
+        flat, own = out.view(self.world, -1), x.contiguous().view(-1)
         if not self.mem_saving:
-            flat = out.flatten(0, 1)
             return self._issue("all_gather", lambda: [
-                _all_gather_single(flat, x.contiguous(), group=pg, async_op=async_op)
+                _all_gather_single(flat.view(-1), own, group=pg, async_op=async_op)
             ])  # fmt: skip
-        out[self.rank].copy_(x)
+        flat[self.rank].copy_(own)
         return self._issue("all_gather (as broadcasts)", lambda: [
-            dist.broadcast(out[src], src, group=pg, async_op=async_op) for src in range(self.world)
+            dist.broadcast(flat[src], src, group=pg, async_op=async_op)
+            for src in range(self.world)
         ])  # fmt: skip
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
-        """out = sum over ranks of their x[rank]; x is [N, *out.shape]."""
+        """out = sum over ranks of their rank-th block of x (x contiguous, N times out's
+        elements: [N, *out.shape], or the full activation of N token blocks)."""
         pg = self.pg
+        parts = x.view(self.world, -1)
         if not self.mem_saving:
-            flat = x.contiguous().flatten(0, 1)
             return self._issue("reduce_scatter", lambda: [
-                _reduce_scatter_single(out, flat, group=pg, async_op=async_op)
+                _reduce_scatter_single(out.view(-1), parts.view(-1), group=pg, async_op=async_op)
             ])  # fmt: skip
 
         def reduces() -> list[Any]:
-            scratch = BUFFERS.get("scratch", tuple(out.shape), out)
+            scratch = self.buffers.get("scratch", (out.numel(),), out)
             for dst in range(self.world):
-                scratch.copy_(x[dst])
+                scratch.copy_(parts[dst])
                 dist.reduce(scratch, dst, group=pg)
                 if dst == self.rank:
-                    out.copy_(scratch)
+                    out.view(-1).copy_(scratch)
             return []
 
         return self._issue("reduce_scatter (as reduces)", reduces)
@@ -292,30 +171,45 @@ class Collectives:
         ])  # fmt: skip
 
 
-def _split_seq(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """[..., S, ...] -> [N, ..., S/N, ...] (rank-major, contiguous)."""
-    return torch.stack(x.chunk(n, dim)).contiguous()
+def full_shape(local: torch.Size | tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The shape of the N token blocks together: dim -2 (the sequence) times N."""
+    shape = list(local)
+    shape[SEQ_DIM] *= n
+    return tuple(shape)
 
 
-def _join_seq(stacked: torch.Tensor, dim: int) -> torch.Tensor:
-    """[N, ..., S/N, ...] -> [..., S, ...] (a copy with its own storage)."""
-    return torch.cat(stacked.unbind(0), dim)
+def _local_shape(full: torch.Size | tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The shape of one of N token blocks: dim -2 divided by N."""
+    shape = list(full)
+    shape[SEQ_DIM] //= n
+    return tuple(shape)
 
 
-def _gather(x: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
-    out = x.new_empty((comm.world, *x.shape))
+def own_tokens(full: torch.Tensor, n: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s block of the flattened tokens of `full` ([..., seq, hidden], any strides,
+    broadcast ones included), shaped [..., seq/N, hidden]: a view when `full` is contiguous."""
+    local = _local_shape(full.shape, n)
+    tokens = full.shape[:-1].numel()
+    block = slice(rank * tokens // n, (rank + 1) * tokens // n)
+    if full.is_contiguous():
+        return full.view(tokens, full.shape[-1])[block].view(local)
+    index = torch.arange(block.start, block.stop, device=full.device)
+    return full[torch.unravel_index(index, full.shape[:-1])].view(local)
+
+
+def _gather(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
+    out = x.new_empty(full_shape(x.shape, comm.world))
     comm.all_gather(out, x).wait()
-    return _join_seq(out, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, comm: Collectives) -> torch.Tensor:
-    stacked = _split_seq(x, comm.world, dim)
-    out = x.new_empty(stacked.shape[1:])
-    comm.reduce_scatter(out, stacked).wait()
     return out
 
 
-def gather_shards(x: torch.Tensor, group: str | None = None) -> list[torch.Tensor]:
+def _reduce_scatter(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
+    out = x.new_empty(_local_shape(x.shape, comm.world))
+    comm.reduce_scatter(out, x.contiguous()).wait()
+    return out
+
+
+def gather_shards(x: torch.Tensor, group: TPGroup | None = None) -> list[torch.Tensor]:
     """Every rank's `x` (same shape on all), in rank order: consolidating parameter shards."""
     comm = Collectives(group=group)
     out = [torch.empty_like(x) for _ in range(comm.world)]
@@ -355,89 +249,94 @@ class _AllReduceForward(torch.autograd.Function):
 
 class _ScatterToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return x.chunk(comm.world, dim)[comm.rank].contiguous()
+    def forward(ctx, x, shape, comm):
+        ctx.comm, ctx.shape = comm, x.shape
+        # a copy of the block only (own_tokens' view of a contiguous tensor is copied), so
+        # the replicated tensor can be freed
+        block = own_tokens(x.expand(shape), comm.world, comm.rank)
+        shared = block.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        return block.clone() if shared else block
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.dim, ctx.comm.in_backward()), None, None
+        full = _gather(grad.contiguous(), ctx.comm.in_backward())
+        return full.sum_to_size(ctx.shape), None, None
 
 
 class _GatherFromSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _gather(x, dim, comm)
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        comm = ctx.comm
-        return grad.chunk(comm.world, ctx.dim)[comm.rank].contiguous(), None, None
+        return own_tokens(grad, ctx.comm.world, ctx.comm.rank), None
 
 
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _gather(x, dim, comm)
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.comm.in_backward()), None, None
+        return _reduce_scatter(grad, ctx.comm.in_backward()), None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _reduce_scatter(x, dim, comm)
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.dim, ctx.comm.in_backward()), None, None
+        return _gather(grad.contiguous(), ctx.comm.in_backward()), None
 
 
-def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
     """Identity forward, all-reduce backward (Megatron's f): a replicated tensor read by
     rank-local work (a column linear's input; a norm weight on a sequence shard). `group` is
-    a key from `new_group` (None: the default group), as for every function here."""
+    a `TPGroup` (None: the default group), as for every function here."""
     return _GradAllReduce.apply(x, Collectives(mem_saving, group, "grad_all_reduce"))
 
 
-def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False, group: str | None = None):
+def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
     """All-reduce forward, identity backward (Megatron's g)."""
     return _AllReduceForward.apply(x, Collectives(mem_saving, group, "all_reduce_forward"))
 
 
 def scatter_to_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
+    x: torch.Tensor,
+    shape: tuple[int, ...] | None = None,
+    *,
+    mem_saving: bool = False,
+    group: TPGroup | None = None,
 ):
-    """A replicated tensor -> this rank's sequence slice; backward all-gathers the slices."""
-    return _ScatterToSeq.apply(x, dim, Collectives(mem_saving, group, "scatter_to_seq"))
+    """A replicated tensor -> this rank's token block; backward all-gathers the blocks. `shape`
+    is the tokens' shape x broadcasts to (a [seq, hidden] position embedding added to
+    [batch, seq, hidden]): the block is cut from x expanded to it. Default: x's own shape."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    return _ScatterToSeq.apply(x, shape, Collectives(mem_saving, group, "scatter_to_seq"))
 
 
-def gather_from_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
-):
-    """Sequence slices -> the full tensor for replicated work; backward keeps the own slice
+def gather_from_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+    """Token blocks -> the full tensor for replicated work; backward keeps the own block
     (every rank holds the same gradient of a replicated result)."""
-    return _GatherFromSeq.apply(x, dim, Collectives(mem_saving, group, "gather_from_seq"))
+    return _GatherFromSeq.apply(x, Collectives(mem_saving, group, "gather_from_seq"))
 
 
-def all_gather_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
-):
-    """Sequence slices -> the full tensor for sharded work; backward reduce-scatters (it is
-    2x wrong when what reads the result is replicated: use gather_from_seq there)."""
-    return _AllGatherSeq.apply(x, dim, Collectives(mem_saving, group, "all_gather_seq"))
+def all_gather_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+    """Token blocks -> the full tensor for sharded work; backward reduce-scatters (it is 2x
+    wrong when what reads the result is replicated: use gather_from_seq there)."""
+    return _AllGatherSeq.apply(x, Collectives(mem_saving, group, "all_gather_seq"))
 
 
-def reduce_scatter_seq(
-    x: torch.Tensor, dim: int = SEQ_DIM, *, mem_saving: bool = False, group: str | None = None
-):
-    """Partial sums -> this rank's summed sequence slice; backward all-gathers."""
-    return _ReduceScatterSeq.apply(x, dim, Collectives(mem_saving, group, "reduce_scatter_seq"))
+def reduce_scatter_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+    """Partial sums -> this rank's summed token block; backward all-gathers."""
+    return _ReduceScatterSeq.apply(x, Collectives(mem_saving, group, "reduce_scatter_seq"))
 
 
 # -- linears --------------------------------------------------------------------------------------
@@ -465,7 +364,8 @@ class _ColumnLinear(torch.autograd.Function):
 
     Without sequence parallel the input is replicated: identity forward, grad_input
     all-reduced (async: overlapped with grad_weight). With it, the input is this rank's
-    sequence slice: all-gather, linear; backward reduce-scatters grad_input."""
+    token block: all-gather (in place: the blocks are the full input's rows), linear;
+    backward reduce-scatters grad_input, again in place."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sp, async_comm, recompute, comm, transposed):
@@ -476,22 +376,23 @@ class _ColumnLinear(torch.autograd.Function):
             return _matmul(x, weight, bias, transposed)
         n, rank = comm.world, comm.rank
         x = x.contiguous()
-        shape = (n, *x.shape)
-        gathered = BUFFERS.get("gather", shape, x) if recompute else x.new_empty(shape)
+        shape = full_shape(x.shape, n)
+        gathered = comm.buffers.get("gather", shape, x) if recompute else x.new_empty(shape)
         if async_comm:  # own rows while the gather runs, then the rest
             work = comm.all_gather(gathered, x, async_op=True)
             out_features = weight.shape[1] if transposed else weight.shape[0]
-            y = x.new_empty((n, *x.shape[:-1], out_features))
-            _matmul(x, weight, bias, transposed, out=y[rank])
+            y = x.new_empty((*shape[:-1], out_features))
+            blocks, inputs = _blocks(y, n), _blocks(gathered, n)
+            _matmul(x.view(inputs[rank].shape), weight, bias, transposed, out=blocks[rank])
             work.wait()
             for r in range(n):
                 if r != rank:
-                    _matmul(gathered[r], weight, bias, transposed, out=y[r])
+                    _matmul(inputs[r], weight, bias, transposed, out=blocks[r])
         else:
             comm.all_gather(gathered, x).wait()
             y = _matmul(gathered, weight, bias, transposed)
         ctx.save_for_backward(x if recompute else gathered, weight)
-        return _join_seq(y, SEQ_DIM)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -508,41 +409,44 @@ class _ColumnLinear(torch.autograd.Function):
             pending.wait()
             return gx, gw, gb, None, None, None, None, None
         n = comm.world
-        gy = _split_seq(grad, n, SEQ_DIM)  # [N, ..., S/N, out], rank-major like `gathered`
+        grad = grad.contiguous()
         if recompute:  # re-gather while grad_input is computed
-            gathered = BUFFERS.get("gather", (n, *saved.shape), saved)
+            gathered = comm.buffers.get("gather", full_shape(saved.shape, n), saved)
             gathering = comm.all_gather(gathered, saved, async_op=async_comm)
         else:
             gathered, gathering = saved, _Works()
-        gx_full = torch.matmul(gy, w.t())  # [N, ..., S/N, in]
-        gx = gx_full.new_empty(gx_full.shape[1:])
+        gx_full = torch.matmul(grad, w.t())  # [..., S, in]: N token blocks, rank-major
+        gx = gx_full.new_empty(_local_shape(gx_full.shape, n))
         scattering = comm.reduce_scatter(gx, gx_full, async_op=async_comm)
         gathering.wait()
-        gy2d = gy.reshape(-1, w.shape[1])
-        gw = _grad_weight(gathered.reshape(-1, w.shape[0]), gy2d, transposed)
+        gy2d = grad.view(-1, w.shape[1])
+        gw = _grad_weight(gathered.view(-1, w.shape[0]), gy2d, transposed)
         gb = gy2d.sum(0) if ctx.has_bias else None
         scattering.wait()
         return gx, gw, gb, None, None, None, None, None
 
 
+def _blocks(full: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The N token blocks of a contiguous full activation, as [tokens/N, features] views."""
+    return list(full.view(-1, full.shape[-1]).chunk(n))
+
+
 class _RowLinear(torch.autograd.Function):
     """Row-parallel linear: the weight holds this rank's input features; the input is sharded
     along its features, the partial outputs are summed (all-reduce, or reduce-scatter to
-    sequence slices). The bias is added once, after the sum; under sequence parallel each
-    rank sees only its slice's bias gradient, so that gradient is all-reduced."""
+    token blocks, in place). The bias is added once, after the sum; under sequence parallel
+    each rank sees only its block's bias gradient, so that gradient is all-reduced."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sp, async_comm, comm, transposed):
         ctx.opts = (sp, async_comm, comm, transposed)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
+        y = _matmul(x, weight, None, transposed)
         if not sp:
-            y = _matmul(x, weight, None, transposed)
             comm.all_reduce(y).wait()
         else:
-            partial = torch.matmul(_split_seq(x, comm.world, SEQ_DIM), _wt(weight, transposed))
-            y = partial.new_empty(partial.shape[1:])
-            comm.reduce_scatter(y, partial).wait()
+            y = _reduce_scatter(y, comm)
         return y if bias is None else y + bias
 
     @staticmethod
@@ -558,23 +462,24 @@ class _RowLinear(torch.autograd.Function):
             gb = grad.reshape(-1, w.shape[1]).sum(0) if ctx.has_bias else None
             return gx, gw, gb, None, None, None, None
         n, rank = comm.world, comm.rank
-        gy = grad.new_empty((n, *grad.shape))
+        shape = full_shape(grad.shape, n)
+        gy = grad.new_empty(shape)
         gathering = comm.all_gather(gy, grad, async_op=async_comm)
-        gx = grad.new_empty((n, *grad.shape[:-1], w.shape[0]))
-        torch.matmul(grad, w.t(), out=gx[rank])  # own rows first: exact for this rank (#172)
+        gx = grad.new_empty((*shape[:-1], w.shape[0]))
+        grads, outs = _blocks(gy, n), _blocks(gx, n)
+        torch.matmul(grad.view(grads[rank].shape), w.t(), out=outs[rank])  # own rows first
         gathering.wait()
         for r in range(n):
             if r != rank:
-                torch.matmul(gy[r], w.t(), out=gx[r])
+                torch.matmul(grads[r], w.t(), out=outs[r])
         reducing = _Works()
         gb = None
         if ctx.has_bias:
             gb = grad.reshape(-1, w.shape[1]).sum(0)
             reducing = comm.all_reduce(gb, async_op=async_comm)
-        xs = _split_seq(x, n, SEQ_DIM)
-        gw = _grad_weight(xs.reshape(-1, w.shape[0]), gy.reshape(-1, w.shape[1]), transposed)
+        gw = _grad_weight(x.reshape(-1, w.shape[0]), gy.view(-1, w.shape[1]), transposed)
         reducing.wait()
-        return _join_seq(gx, SEQ_DIM), gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 def column_linear(
@@ -587,11 +492,11 @@ def column_linear(
     recompute: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
-    group: str | None = None,
+    group: TPGroup | None = None,
 ) -> torch.Tensor:
     """x @ W_r^T + b_r for this rank's output features W_r (transposed: W_r is [in, out], the
-    Conv1D layout). With sequence_parallel, x is this rank's sequence slice [..., S/N, in]
-    and the result covers the whole sequence [..., S, out/N]. `group`: a `new_group` key."""
+    Conv1D layout). With sequence_parallel, x is this rank's token block [..., S/N, in] and
+    the result covers every token [..., S, out/N]. `group`: a `TPGroup`."""
     comm = Collectives(mem_saving, group, "column_linear")
     return _ColumnLinear.apply(
         x, weight, bias, sequence_parallel, async_comm, recompute, comm, transposed
@@ -607,9 +512,9 @@ def row_linear(
     async_comm: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
-    group: str | None = None,
+    group: TPGroup | None = None,
 ) -> torch.Tensor:
     """sum over ranks of x_r @ W_r^T, plus b once. x holds this rank's input features. With
-    sequence_parallel the result is this rank's sequence slice [..., S/N, out]."""
+    sequence_parallel the result is this rank's token block [..., S/N, out]."""
     comm = Collectives(mem_saving, group, "row_linear")
     return _RowLinear.apply(x, weight, bias, sequence_parallel, async_comm, comm, transposed)

@@ -18,19 +18,22 @@ from torch.utils.checkpoint import checkpoint
 
 from fxstar.runtime import rng_tracker
 from fxstar.runtime.ops import RUNTIME
+from fxstar.runtime.tp_group import TPGroup
 
 __all__ = ["run_region"]
 
 
-def _replay_rank_streams() -> tuple[Any, Any]:
-    """checkpoint's context_fn: the recompute starts the tensor-parallel RNG trackers where
-    the forward started them (torch replays the default generators only)."""
-    return contextlib.nullcontext(), rng_tracker.replaying(rng_tracker.snapshot())
+def _checkpoint(region: nn.Module, fn: Any, *inputs: Any) -> Any:
+    """torch's checkpoint of `fn`, whose recompute starts the tensor-parallel RNG trackers the
+    region's graph holds where the forward started them (torch replays the default
+    generators only)."""
+    streams = [m.stream for m in region.modules() if isinstance(m, TPGroup) and m.stream]
 
+    def replay_rank_streams() -> tuple[Any, Any]:
+        return contextlib.nullcontext(), rng_tracker.replaying(rng_tracker.snapshot(streams))
 
-def _checkpoint(fn: Any, *inputs: Any) -> Any:
     return checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=_replay_rank_streams)  # fmt: skip
+                      context_fn=replay_rank_streams)  # fmt: skip
 
 
 def run_region(region: nn.Module, *inputs: Any) -> Any:
@@ -40,7 +43,7 @@ def run_region(region: nn.Module, *inputs: Any) -> Any:
     runtime = getattr(region, RUNTIME, None)
     manager = runtime.manager if runtime is not None else None
     if manager is None:
-        return _checkpoint(region, *inputs)
+        return _checkpoint(region, region, *inputs)
     token = manager.version_token()
     calls = 0
 
@@ -57,4 +60,4 @@ def run_region(region: nn.Module, *inputs: Any) -> Any:
             )
         return region(*args)
 
-    return _checkpoint(body, *inputs)
+    return _checkpoint(region, body, *inputs)

@@ -8,15 +8,16 @@ positions of rank 0's heads and rank 1's, so the run is not statistically a seri
 - inside a region split by heads or features (`rank_dropout`, `rank_attention`) the op draws
   from this rank's own stream: the default generator's state is swapped for the tracker's
   while it runs (any op, on CPU or CUDA, as Megatron's `fork`);
-- on a sequence slice (`seq_dropout`) every rank draws the whole sequence's mask from the
-  shared stream and keeps its slice: the same masks as without sequence parallelism, at the
-  price of drawing N times the slice's numbers;
+- on a sequence-parallel token block (`seq_dropout`) every rank draws every token's mask
+  from the shared stream and keeps its block: the same masks as without sequence
+  parallelism, at the price of drawing N times the block's numbers;
 - everywhere else ops draw from the default generator unchanged: the same on every rank.
 
-A tracker belongs to an engine's process group (the key graph nodes name it by), its seed is
-rank 0's initial seed plus 2718 plus the rank (Megatron's offset), and its state is saved
-with checkpoints (`fxstar/saving.py`) and replayed when a checkpointed region recomputes
-(`fxstar/runtime/recompute.py`), so a resume is bit for bit and recomputed masks match.
+A tracker belongs to an engine's process group and is held by it (`TPGroup.stream`, which the
+graph holds: no registry), its seed is rank 0's initial seed plus 2718 plus the rank
+(Megatron's offset), and its state is saved with checkpoints (`fxstar/saving.py`) and
+replayed when a checkpointed region recomputes (`fxstar/runtime/recompute.py`), so a resume
+is bit for bit and recomputed masks match.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.dist import guard, process_group
+from fxstar.runtime.dist import full_shape, own_tokens
+from fxstar.runtime.tp_group import TPGroup, guard, process_group
 
 __all__ = [
     "RankStream",
@@ -43,8 +45,6 @@ __all__ = [
 ]
 
 SEED_OFFSET = 2718  # Megatron's model-parallel seed offset
-
-_STREAMS: dict[str, RankStream] = {}
 
 
 class RankStream:
@@ -92,86 +92,76 @@ class RankStream:
         self.cuda = {int(i): s.clone() for i, s in state.get("cuda", {}).items()}
 
 
-def new_stream(group: str) -> RankStream:
-    """The tracker of group `group`, made once (collective: rank 0's initial seed is sent to
-    every rank, so ranks seeded differently still get streams that differ only by rank)."""
-    if group in _STREAMS:
-        return _STREAMS[group]
+def new_stream(group: TPGroup) -> RankStream:
+    """The tracker of `group`, made once and held by it (collective: rank 0's initial seed is
+    sent to every rank, so ranks seeded differently still get streams that differ only by
+    rank)."""
+    if group.stream is not None:
+        return group.stream
     pg = process_group(group)
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
     with guard("broadcast of the RNG tracker's seed", group):
         dist.broadcast(seed, dist.get_global_rank(pg, 0), group=pg)
-    rank = dist.get_rank(pg)
-    _STREAMS[group] = RankStream(int(seed.item()) + SEED_OFFSET + rank)
-    return _STREAMS[group]
+    group.stream = RankStream(int(seed.item()) + SEED_OFFSET + dist.get_rank(pg))
+    return group.stream
 
 
-def new_stream_needed(group: str) -> bool:
+def new_stream_needed(group: TPGroup) -> bool:
     """True until `new_stream(group)` ran: the same on every rank, so they call it together."""
-    return group not in _STREAMS
+    return group.stream is None
 
 
-def stream(group: str | None) -> RankStream:
-    """The tracker a graph node names; a graph from another process has none."""
-    try:
-        return _STREAMS[group]
-    except KeyError:
+def stream(group: TPGroup | None) -> RankStream:
+    """The tracker of the group a graph node names."""
+    if group is None or group.stream is None:
         raise RuntimeError(
-            f"no RNG tracker for process group {group!r} in this process: compile the model "
-            "again (the tensor_parallel pass makes it)"
-        ) from None
+            "no RNG tracker for this graph's process group: compile the model again (the "
+            "tensor_parallel pass makes it)"
+        )
+    return group.stream
 
 
-def release(group: str) -> None:
-    _STREAMS.pop(group, None)
-
-
-def snapshot() -> dict[str, dict[str, Any]]:
-    """Every tracker's state now (a checkpointed region's forward starts here)."""
-    return {key: s.state_dict() for key, s in _STREAMS.items()}
+def snapshot(streams: list[RankStream]) -> list[tuple[RankStream, dict[str, Any]]]:
+    """The trackers' states now (a checkpointed region's forward starts here)."""
+    return [(s, s.state_dict()) for s in streams]
 
 
 @contextlib.contextmanager
-def replaying(states: dict[str, dict[str, Any]]) -> Iterator[None]:
-    """Run the block from the trackers' `states` (a region's recompute), then put back
+def replaying(states: list[tuple[RankStream, dict[str, Any]]]) -> Iterator[None]:
+    """Run the block from the trackers' `states` (a region's recompute), then put them back
     where they were, so the streams go on as after the forward."""
-    now = snapshot()
-    for key, state in states.items():
-        if key in _STREAMS:
-            _STREAMS[key].load_state_dict(state)
+    now = snapshot([s for s, _ in states])
+    for s, state in states:
+        s.load_state_dict(state)
     try:
         yield
     finally:
-        for key, state in now.items():
-            if key in _STREAMS:
-                _STREAMS[key].load_state_dict(state)
+        for s, state in now:
+            s.load_state_dict(state)
 
 
-def rank_dropout(x: torch.Tensor, p: float, train: bool, *, group: str | None = None):
+def rank_dropout(x: torch.Tensor, p: float, train: bool, *, group: TPGroup | None = None):
     """aten.dropout on a tensor split across ranks: this rank's own mask."""
     with stream(group).fork(x.device):
         return torch.ops.aten.dropout.default(x, p, train)
 
 
-def rank_attention(*args: Any, group: str | None = None, **kwargs: Any) -> torch.Tensor:
+def rank_attention(*args: Any, group: TPGroup | None = None, **kwargs: Any) -> torch.Tensor:
     """aten.scaled_dot_product_attention (with dropout) over heads split across ranks."""
     with stream(group).fork(args[0].device):
         return torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs)
 
 
-def seq_dropout(x: torch.Tensor, p: float, train: bool, *, dim: int = -2,
-                group: str | None = None):  # fmt: skip
-    """aten.dropout on this rank's slice of the sequence (`dim`) with the whole sequence's
-    mask from the shared stream: every rank draws it, each keeps its slice. The mask is the
-    one aten.dropout draws on the whole tensor (bernoulli_(1 - p) noise scaled by 1/(1 - p)),
-    so the masks are those of a run without sequence parallelism."""
+def seq_dropout(x: torch.Tensor, p: float, train: bool, *, group: TPGroup | None = None):
+    """aten.dropout on this rank's token block (sequence parallel) with every token's mask
+    from the shared stream: every rank draws it, each keeps its block. The mask is the one
+    aten.dropout draws on the whole tensor (bernoulli_(1 - p) noise scaled by 1/(1 - p)), so
+    the masks are those of a run without sequence parallelism."""
     if not train or p == 0:
         return x
     if p == 1:
         return x * 0
     pg = process_group(group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    shape = list(x.shape)
-    shape[dim] *= world
-    noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
-    return x * noise.chunk(world, dim)[rank]
+    noise = x.new_empty(full_shape(x.shape, world)).bernoulli_(1 - p).div_(1 - p)
+    return x * own_tokens(noise, world, rank)

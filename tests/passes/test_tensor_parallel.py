@@ -101,10 +101,11 @@ SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "max_position_embeddings": SEQ * 2}  # fmt: skip
 
 
-def llama_default(seed: int = 0) -> torch.nn.Module:
+def llama_default(seed: int = 0, kv_heads: int = 2) -> torch.nn.Module:
     import transformers
 
-    config = _default_config("LlamaConfig", num_key_value_heads=2, pad_token_id=0, **SMALL)
+    config = _default_config("LlamaConfig", num_key_value_heads=kv_heads, pad_token_id=0,
+                             **SMALL)  # fmt: skip
     torch.manual_seed(seed)
     return LossOf(transformers.LlamaForCausalLM(config))
 
@@ -146,6 +147,8 @@ DEFAULTS = {"gpt2_default": gpt2_default, "llama_default": llama_default,
 def _make(name: str, world: int) -> torch.nn.Module:
     if name == "llama":
         return llama(kv_heads=world)  # kv heads split too: 2 (GQA) at world size 2
+    if name == "llama_default":  # GQA with 2 kv heads; at world 4 each rank needs one
+        return llama_default(kv_heads=max(2, world))
     return {"gpt": gpt, "gpt2": gpt2, **DEFAULTS}[name]()
 
 
@@ -179,7 +182,9 @@ def test_sharding_finds_linears_fused_qkv_and_per_rank_shapes():
     assert s.args["split"][1] == 16  # 32 per projection -> 16 per rank
     assert s.args["view"][1] == [2, 16, 2, 8]  # 4 heads -> 2 per rank
     assert s.args["view_3"][1] == [2, 16, 16]
-    assert {e.producer for e in s.scatters} == {"embedding", "embedding_1"}
+    # the token embedding (vocab-parallel) reduce-scatters itself; the positions are cut
+    assert {e.producer for e in s.scatters} == {"embedding_1"}
+    assert s.vocab.scattered == ["embedding"]
     assert s.gathers == []  # the vocab-parallel head gathers the sequence itself
     assert (s.vocab.head, s.vocab.loss, s.vocab.embeddings) == (
         "linear_8", "cross_entropy_loss", ["embedding"])  # fmt: skip
@@ -527,9 +532,10 @@ def test_world_size_2_all_modes_match_single_process():
     failures = [f for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:20])
     text = results[0]["infos"]["gpt2"]["dump"]
-    for expected in ("dist.column_linear(", "dist.row_linear(",
-                     "scatter_embedding", "gather_layer_norm_4", "grad_reduce_",
-                     "f32[2,16,48]", "f32[2,8,32]"):  # fmt: skip
+    for expected in ("dist.column_linear(", "dist.row_linear(", "dist.scatter_to_seq(",
+                     "group=tp_group, sequence_parallel=True)  # f32[2,8,32] tp=vocab-parallel",
+                     "gather_layer_norm_4", "grad_reduce_", "f32[2,16,48]", "f32[2,8,32]",
+                     "tp_group = self.tp_group"):  # fmt: skip
         assert expected in text, expected
 
 

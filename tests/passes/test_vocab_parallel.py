@@ -43,6 +43,52 @@ def _cross_entropy_cases(world: int, rank: int, failures: list[str]) -> None:
             failures.append(f"cross_entropy {reduction}: {got} != {expected}")
         if not torch.allclose(shard.grad, full.grad.chunk(world, -1)[rank], rtol=1e-12):
             failures.append(f"cross_entropy {reduction}: gradient differs")
+    _cross_entropy_blocks_and_bf16(world, rank, failures, group, logits, target)
+
+
+def _cross_entropy_blocks_and_bf16(world, rank, failures, group, logits, target) -> None:
+    """Row blocks give the same result as one block; under bf16 what backward keeps is the
+    bf16 logits shard and [tokens] vectors, not an fp32 softmax (2x the logits)."""
+    for dtype, block in ((torch.float64, VOCAB), (torch.bfloat16, vp.BLOCK_ELEMENTS)):
+        low = logits.to(dtype)
+        full = low.double().detach().clone().requires_grad_()
+        expected = F.cross_entropy(full, target)
+        expected.backward()
+        shard = low.chunk(world, -1)[rank].detach().clone().requires_grad_()
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t.nbytes)
+            return t
+
+        kept, vp.BLOCK_ELEMENTS = vp.BLOCK_ELEMENTS, block  # VOCAB: a few rows a block
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                got = vp.vocab_cross_entropy(shard, target, None, 1, -100, group=group)
+            got.backward()
+        finally:
+            vp.BLOCK_ELEMENTS = kept
+        tol = {"rtol": 1e-12, "atol": 0} if dtype == torch.float64 else {"rtol": 1e-2, "atol": 1e-3}
+        if not torch.allclose(got.double(), expected, **tol):
+            failures.append(f"cross_entropy {dtype}: {got} != {expected}")
+        if not torch.allclose(shard.grad.double(), full.grad.chunk(world, -1)[rank], **tol):
+            failures.append(f"cross_entropy {dtype}: gradient differs")
+        vectors = 8 * 4 * len(target)  # log-sum-exp, targets, masks: a few per token
+        if dtype == torch.bfloat16 and sum(saved) > shard.nbytes + vectors:
+            failures.append(f"cross_entropy bf16 saves {sum(saved)} bytes, logits {shard.nbytes}")
+
+
+def _embedding_collectives(engine) -> list[str]:
+    """Per vocab-parallel embedding node: its sum ('all_reduce' or 'reduce_scatter'), then
+    '+scatter' when a scatter_to_seq node cuts its output afterwards."""
+    kinds = []
+    for node in engine.program.graph_module.graph.nodes:
+        if node.target is vp.vocab_embedding:
+            kind = "reduce_scatter" if node.kwargs.get("sequence_parallel") else "all_reduce"
+            if any(user.target is tp.scatter_to_seq for user in node.users):
+                kind += "+scatter"
+            kinds.append(kind)
+    return kinds
 
 
 def _check(name: str, world: int, rank: int, failures: list[str], plan_extra: dict) -> dict:
@@ -58,6 +104,7 @@ def _check(name: str, world: int, rank: int, failures: list[str], plan_extra: di
             continue
         info[f"tied sp={sp}"] = vocab.tied
         info[f"logits sp={sp}"] = _logits_bytes(engine)
+        info[f"embedding sp={sp}"] = _embedding_collectives(engine)
         out = engine(*args, **kwargs)
         _loss(out).backward()
         _compare(engine, reference, out, f"{name} world={world} sp={sp}", failures)
@@ -102,6 +149,10 @@ def test_vocab_parallel_world_2_gpt_gpt2_tied_llama_untied():
     for r in results:
         assert r["infos"]["gpt"]["logits sp=False"] == whole // 2
         assert r["infos"]["gpt"]["logits sp=True"] == whole // 2
+    # under sequence parallelism the embedding's sum and the scatter are one reduce-scatter
+    for name in ("gpt", "gpt2_default", "llama_default"):
+        assert infos[name]["embedding sp=False"] == ["all_reduce"]
+        assert infos[name]["embedding sp=True"] == ["reduce_scatter"]
 
 
 def test_vocab_parallel_world_4_gpt():
@@ -156,6 +207,10 @@ def _gpt_dropout(attention: float, elsewhere: float) -> torch.nn.Module:
     return model
 
 
+def _two_engines(args, world: int) -> list:
+    return [fxstar.compile(_gpt_dropout(0.5, 0.1), _plan(world, True), args) for _ in range(2)]
+
+
 def _dropout_worker(rank: int, world: int) -> dict:
     failures: list[str] = []
     args, _ = _inputs("gpt")
@@ -170,7 +225,7 @@ def _dropout_worker(rank: int, world: int) -> dict:
     whole = torch.ops.aten.dropout.default(torch.ones(2, 8, 4), 0.5, True)
     torch.manual_seed(7)
     sliced = rng_tracker.seq_dropout(torch.ones(2, 8 // world, 4), 0.5, True, group=group)
-    if not torch.equal(sliced, whole.chunk(world, -2)[rank]):
+    if not torch.equal(sliced, tp.own_tokens(whole, world, rank)):
         failures.append("seq_dropout is not the slice of the whole sequence's mask")
     kinds = {}
     for node in engine.program.graph_module.graph.nodes:
@@ -199,6 +254,20 @@ def _dropout_worker(rank: int, world: int) -> dict:
         torch.manual_seed(11)
         engine(*args).backward()
         grads.append(engine.gradients())
+        # the graph and its regions hold the engine's group, which holds the rank stream
+        group = engine.shared["tensor_parallel.group"]
+        holders = [m for m in engine.program.graph_module.modules() if hasattr(m, "tp_group")]
+        if len(holders) < 1 + bool(extra) or any(m.tp_group is not group for m in holders):
+            failures.append(f"{extra}: the graph or a region does not hold the engine's group")
+        if group.stream is None:
+            failures.append("the engine's group holds no rank stream")
+    # two engines, two groups and two streams: drawing from one leaves the other as it was
+    alive = _two_engines(args, world)  # a freed engine releases its group
+    first, second = (engine.shared["tensor_parallel.group"] for engine in alive)
+    before = second.stream.state_dict()["cpu"]
+    rng_tracker.rank_dropout(torch.ones(64), 0.5, True, group=first)
+    if first is second or not torch.equal(second.stream.state_dict()["cpu"], before):
+        failures.append("two engines share a process group or an RNG stream")
     if any(not torch.equal(grads[0][k], grads[1][k]) for k in grads[0]):
         failures.append("a checkpointed region's recompute drew other rank-stream masks")
     return {"failures": failures, "rank_mask": rank_mask, "shared_mask": shared_mask}

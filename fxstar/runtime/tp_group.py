@@ -1,0 +1,150 @@
+"""The process group a tensor-parallel graph's collectives run on, as an object the graph
+holds (a `get_attr` submodule, as `ops.ChunkRuntime` for chunks), with what belongs to it:
+its timeout, this rank's RNG stream (`rng_tracker`) and the buffers recompute mode re-gathers
+into. Why an object and not a registry: a graph that holds its runtime can be dumped, copied
+and run next to another engine's without either reaching the other's state, and nothing
+outlives the engine in module globals.
+
+Failures: an engine's group is made with `plan.dist_timeout`, so a rank that stopped (crashed,
+skipped a step, diverged) makes the others raise a `CollectiveError` naming the collective
+instead of waiting out gloo's 30 minutes (`guard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import nn
+
+from fxstar.errors import CollectiveError
+from fxstar.runtime.buffer_pool import BufferPool
+
+if TYPE_CHECKING:
+    from fxstar.runtime.rng_tracker import RankStream
+
+__all__ = ["TPGroup", "group_timeout", "guard", "new_group", "process_group", "release_group"]
+
+ATTR = "tp_group"  # the submodule's name in a graph module (and in its regions)
+
+
+class TPGroup(nn.Module):
+    """A process group over every rank (so a group rank is a global rank) and what belongs
+    to it; a graph's collectives, random ops and recomputed regions read it from the graph."""
+
+    def __init__(self, pg: Any, timeout: float | None):
+        super().__init__()
+        self.pg = pg  # dist.ProcessGroup; None: torch's default group
+        self.timeout = timeout  # seconds; None: the default group's (torch's)
+        self.stream: RankStream | None = None  # this rank's RNG stream, once made
+        self.buffers = BufferPool()
+
+    def __deepcopy__(self, memo: dict) -> TPGroup:
+        return self  # a copied graph (a kept stage) runs on the same group
+
+    def release(self) -> None:
+        """Destroy the process group (its engine is closed or freed); twice is harmless."""
+        pg, self.pg, self.stream = self.pg, None, None
+        self.buffers.clear()
+        if pg is None or not dist.is_initialized():
+            return
+        with contextlib.suppress(ValueError, RuntimeError):  # gone with the default group
+            dist.destroy_process_group(pg)
+
+    def extra_repr(self) -> str:
+        return f"timeout={self.timeout:g}s" if self.timeout is not None else "default group"
+
+
+def new_group(timeout: float) -> TPGroup:
+    """A process group over every rank whose collectives give up after `timeout` seconds.
+    Collective: every rank calls it at the same point."""
+    try:
+        pg = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as error:
+        if not _lost_peer(error):
+            raise
+        raise CollectiveError(
+            f"creating the engine's process group on rank {dist.get_rank()} of "
+            f"{dist.get_world_size()} timed out after {timeout:g} s: another rank did not reach "
+            "the same compile (it failed before, in capture or tp_sharding, or its plan has no "
+            "tensor_parallel). Look for the first error in the other ranks' output; "
+            f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
+        ) from error
+    return TPGroup(pg, float(timeout))
+
+
+def release_group(group: TPGroup | None) -> None:
+    """Destroy `group`'s process group; None is ignored."""
+    if group is not None:
+        group.release()
+
+
+def process_group(group: TPGroup | None) -> Any:
+    """The ProcessGroup behind `group`; None stays None (torch's default group)."""
+    if group is None:
+        return None
+    if group.pg is None:
+        raise CollectiveError(
+            "this graph's process group was released: the engine that made it was closed or "
+            "freed; compile the model again"
+        )
+    return group.pg
+
+
+def group_timeout(group: TPGroup | None) -> float | None:
+    """Seconds the collectives of `group` wait; None for the default group (torch's)."""
+    return None if group is None else group.timeout
+
+
+# What gloo (torch 2.13) raises when a peer is gone: a plain RuntimeError saying "Timed out
+# waiting 5000ms for recv operation to complete", "Connection closed by peer [...]" or, from the
+# store while a group is made, "Wait timeout". Other RuntimeErrors (bad shapes) pass unchanged.
+_LOST_PEER = ("timed out", "timeout", "connection", "closed by peer", "broken pipe")
+
+
+def _lost_peer(error: BaseException) -> bool:
+    if isinstance(error, dist.DistNetworkError):
+        return True
+    text = str(error).lower()
+    return any(sign in text for sign in _LOST_PEER)
+
+
+def _lost_peer_message(what: str, group: TPGroup | None, error: BaseException) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    world = dist.get_world_size() if dist.is_initialized() else "?"
+    timeout = group_timeout(group)
+    text = str(error).strip()
+    if "time" in text.lower():
+        happened = f"timed out after {timeout:g} s" if timeout is not None else "timed out"
+    else:
+        happened = "lost its connection to another rank"
+    where = "the engine's process group" if group is not None else "the default process group"
+    limit = (
+        f"plan.dist_timeout ({timeout:g} s) bounds the wait"
+        if timeout is not None
+        else "init_process_group(timeout=...) bounds the wait"
+    )
+    first = text.splitlines()[0] if text else type(error).__name__
+    return (
+        f"{what} on rank {rank} of {world} {happened} ({where}): another rank probably "
+        "failed, stopped calling the engine (it raised and went on, or skipped a step), or "
+        "diverged (a different plan, model or input). Look for the first error in the other "
+        f"ranks' output; {limit}.\n  backend said: {first}"
+    )
+
+
+@contextlib.contextmanager
+def guard(what: str, group: TPGroup | None = None) -> Iterator[None]:
+    """Re-raise a timeout or a lost connection inside the block as a CollectiveError about
+    `what` (a collective and its caller) on `group` (None: the default group)."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        if not _lost_peer(error):
+            raise
+        raise CollectiveError(_lost_peer_message(what, group, error)) from error
