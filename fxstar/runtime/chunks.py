@@ -492,7 +492,8 @@ class ChunkManager:
         if fixed:
             lines.append(
                 f"kept on the compute tier with their optimizer state: {len(fixed)} chunks "
-                f"({self.reserved_bytes():,} bytes beside their payloads)"
+                f"({self.reserved_bytes():,} bytes beside their payloads; "
+                f"{self.reservations.released_bytes:,} bytes of their host homes given back)"
             )
         if self.data_parallel is not None:
             lines.append(self.data_parallel.describe())

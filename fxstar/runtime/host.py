@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 
 import torch
 
@@ -55,3 +56,26 @@ def give_back_freed() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def release_pages(t: torch.Tensor) -> int:
+    """Give the whole pages inside `t`'s bytes back to the system (madvise MADV_DONTNEED):
+    they stop counting as resident, and read as zeros if touched again. For host memory that
+    is never read again (the host homes of a chunk kept on the compute tier for good, where a
+    CPU-only machine's arena is host memory too). Returns the bytes given back; 0 where the C
+    library has no madvise or `t` spans no whole page."""
+    libc = _libc()
+    if libc is None or t.device.type != "cpu" or t.is_pinned():
+        return 0
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return 0
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED):
+        return 0
+    return last - first

@@ -14,6 +14,7 @@ import torch
 
 from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.grad_copies import GradAccumulator
+from fxstar.runtime.host import release_pages
 from fxstar.runtime.residency import ChunkBudgetError, ChunkState, Residency
 from fxstar.runtime.tier_copy import copy_payload
 
@@ -56,6 +57,7 @@ class Reservations:
         self.blocks = blocks
         self.grads = grads
         self.homes = homes  # what each stable parameter is a view of: a fixed chunk's moves
+        self.released_bytes = 0  # host pages of fixed chunks given back to the system
 
     def margin(self, ratio: float) -> int:
         """What the compute tier can spare for good, from the last traced training step: the
@@ -104,6 +106,8 @@ class Reservations:
                 raise ChunkBudgetError(f"no arena block left to keep chunk {chunk_id} in")
             residency.load(chunk, offset, ChunkState.HOLD)
         used = slice(0, chunk.used)
+        # what stays behind on the host is never read again: its pages go back (below)
+        left = [chunk.host[used], chunk.master, None if chunk.grads_in_host else chunk.host_grad]
         if grad is not None:
             copy_payload(grad[used], chunk.host_grad[used])
             chunk.host_grad = grad
@@ -123,6 +127,7 @@ class Reservations:
                 stable.grad = self.grads.grad_view(slot)
         chunk.fixed = True
         residency.round_master(chunk)
+        self.released_bytes += sum(release_pages(t[used]) for t in left if t is not None)
 
     def compute_updated(self, chunk_id: int) -> None:
         """The optimizer wrote a fixed chunk's compute copy (and master) itself."""

@@ -216,6 +216,9 @@ def test_kept_chunks_give_their_host_moments_back(precision):
     kept = [engine.chunks.chunks[i] for i in engine.optimizer.device_chunks]
     assert kept and all(chunk.fixed for chunk in kept)
     assert before - _C.host_bytes_in_use() == sum(8 * chunk.used for chunk in kept)
+    # the host homes they left (payload, master, gradient buffer) give their pages back
+    released = engine.chunks.reservations.released_bytes
+    assert released > 0 and f"{released:,} bytes of their host homes given back" in engine.report()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
