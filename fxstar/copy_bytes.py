@@ -5,7 +5,7 @@ Why: a layout change around a collective (stacking sequence slices before a redu
 concatenating them after an all-gather) is a copy of activation size that no saved-bytes or
 peak measure shows. Copies inside torch.distributed calls and their waits are the backend's
 (gloo's reduce_scatter copies its result into the output) and are not counted. Used by the
-tensor-parallel tests and `benchmarks/tp_copies.py`.
+tensor-parallel tests and the "copied" column of `benchmarks/tp.py`.
 """
 
 from __future__ import annotations
