@@ -8,13 +8,15 @@ overflow skips the whole step with nothing written; then it updates chunk by chu
 unscale and clip factor fused into the kernel, writing the low-precision copy the compute tier
 fetches in the same pass.
 
-The device half (`hybrid=True`): after the first training step, the chunks whose optimizer
-fits the compute tier's margin (what the traced step left free at its fullest moment, times
-`margin_use_ratio`) are kept there for good (`ChunkManager.fix`), with their gradient buffer,
-moments and fp32 master beside them, and updated there: by torch's fused Adam on an
-accelerator, by the same C++ kernel when the compute tier is the CPU (`device_kernel` picks).
-They never cross tiers again; the rest stay on the host. `hybrid=False` keeps everything on
-the host. The global read is skipped when neither clipping nor fp16 needs it.
+The device half (`hybrid=True`): at the first training step, before its update (the traced
+forward and backward measured the margin), the chunks whose optimizer fits the compute tier's
+margin (what the traced step left free at its fullest moment, times `margin_use_ratio`) are
+kept there for good (`ChunkManager.fix`), with their gradient buffer, moments and fp32 master
+beside them, and updated there: by torch's fused Adam on an accelerator, by the same C++
+kernel when the compute tier is the CPU (`device_kernel` picks). They never cross tiers again;
+the rest stay on the host. Moments are made at that first step too, so a kept chunk's never
+exist on the host, and the host homes it leaves go back to the system. `hybrid=False` keeps
+everything on the host. The global read is skipped when neither clipping nor fp16 needs it.
 
 It subclasses torch.optim.Optimizer, so `torch.optim.lr_scheduler` drives its param groups'
 `lr`; the tensors in its groups are the engine's stable parameters (their payload moves to
@@ -72,29 +74,19 @@ class HybridAdam(torch.optim.Optimizer):
         if device_kernel == "auto":  # a CPU compute tier is best served by the C++ kernel
             device_kernel = "cpu" if manager.device.type == "cpu" else "torch"
         self.device_kernel = device_kernel
-        self._placed = False  # the device half is chosen after the first training step
+        self._placed = False  # the device half is chosen at the first training step
         self.device_chunks: list[int] = []
         # data parallel: the rank's own chunks only (runtime/data_parallel.py)
         trainable = [c for c in manager.chunks if c.host_grad is not None and manager.owns(c.id)]
         self._slots: dict[int, ParamSlot] = {}  # id(param) -> its place in the chunks
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for chunk in trainable:
-            # one buffer a chunk, as long as its parameters reach (a chunk's padding needs no
-            # moments); a chunk kept on the compute tier later lets its host moments go
-            used = chunk.used
-            moments = host_empty(2 * used * 4, zero=True).view(torch.float32)
-            exp_avg, exp_avg_sq = moments[:used], moments[used:]
             for slot in chunk.slots:
-                param = manager.stable[slot.name]
-                if id(param) not in group_of:
-                    continue
-                part = slice(slot.offset, slot.offset + slot.numel)
-                self.state[param] = {
-                    "step": torch.zeros((), dtype=torch.float32),
-                    "exp_avg": exp_avg[part].view(slot.shape),
-                    "exp_avg_sq": exp_avg_sq[part].view(slot.shape),
-                }
-                self._slots[id(param)] = slot
+                if id(manager.stable[slot.name]) in group_of:
+                    self._slots[id(manager.stable[slot.name])] = slot
+        # the moments are made at the first step, after the device half took its chunks: a
+        # kept chunk's never exist on the host (see _host_moments)
+        self._without_moments = trainable
         # parameters kept out of the chunks (cpu_embedding) are updated where they are
         self._in_chunks = {id(p) for p in manager.stable.values()}
         for group in self.param_groups:
@@ -110,6 +102,29 @@ class HybridAdam(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.zero_grad(set_to_none)
+
+    def _host_moments(self) -> None:
+        """Host moments for the chunks that have none yet and are not kept on the compute
+        tier: one buffer a chunk, as long as its parameters reach (its padding needs none)."""
+        for chunk in self._without_moments:
+            if chunk.fixed:
+                continue  # _keep made them on the compute tier
+            used = chunk.used
+            moments = host_empty(2 * used * 4, zero=True).view(torch.float32)
+            self._set_moments(chunk, moments[:used], moments[used:])
+        self._without_moments = []
+
+    def _set_moments(self, chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Fresh state of the chunk's parameters, their moments viewing these chunk-long ones."""
+        for slot in chunk.slots:
+            param = self.manager.stable[slot.name]
+            if id(param) in self._slots:
+                part = slice(slot.offset, slot.offset + slot.numel)
+                self.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": exp_avg[part].view(slot.shape),
+                    "exp_avg_sq": exp_avg_sq[part].view(slot.shape),
+                }
 
     def _runs(self) -> list[tuple[list[torch.nn.Parameter], dict, slice, torch.Tensor]]:
         """The parameters to update, merged into runs that one kernel call can take: adjacent
@@ -193,6 +208,9 @@ class HybridAdam(torch.optim.Optimizer):
         if groups is not None:  # each owner gets its chunks' averaged gradients
             groups.reduce_to_owners(self.manager)
             groups.average(self._loose_grads())
+        if self.hybrid and not self._placed:  # the traced forward and backward measured it
+            self._place()
+        self._host_moments()
         runs = self._runs()
         # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
         grads = [
@@ -260,8 +278,6 @@ class HybridAdam(torch.optim.Optimizer):
                 self.manager.host_updated(chunk_id)
         if groups is not None:  # the owners' updates to every replica
             groups.share_updates(self.manager)
-        if self.hybrid and not self._placed:
-            self._place()
         return True
 
     def _device_step(self, chunk, span: slice, grad, exp_avg, exp_avg_sq, step, group,
@@ -320,7 +336,12 @@ class HybridAdam(torch.optim.Optimizer):
             except MemoryError:  # the arena is fragmented: keep the rest on the host
                 manager.unreserve(len(manager.reserved) - reserved)
                 break
-            for slot in manager.chunks[chunk_id].slots:
+            chunk = manager.chunks[chunk_id]
+            if any(c is chunk for c in self._without_moments):  # no host moments: fresh here
+                self._set_moments(chunk, moments[:n], moments[n:])
+                self.device_chunks.append(chunk_id)
+                continue
+            for slot in chunk.slots:
                 state = self.state.get(manager.stable[slot.name])
                 if state is None:
                     continue
@@ -343,6 +364,7 @@ class HybridAdam(torch.optim.Optimizer):
         device_chunks = state_dict.pop("fxstar_device_chunks", None)
         if self.hybrid and device_chunks is not None and not self._placed:
             self._keep(device_chunks)
+        self._host_moments()  # the chunk-long moments the loaded values go into
         views = {id(p): dict(s) for p, s in self.state.items()}
         super().load_state_dict(state_dict)
         for param in list(self.state):
