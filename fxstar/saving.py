@@ -358,14 +358,19 @@ def _data_parallel(meta: Mapping[str, Any]) -> int:
     return int(meta.get("data_parallel", 1))
 
 
-def _consolidated(directory: Path, meta: Mapping[str, Any], state: dict[str, Any]) -> dict:
+def _consolidated(
+    directory: Path, meta: Mapping[str, Any], state: dict[str, Any]
+) -> tuple[dict, dict[int, Any]]:
     """A data-parallel checkpoint's training state as one process's: rank 0's, its optimizer
     state joined with every other rank's (each held the moments of its own chunks only, under
-    the positions of the same parameter list)."""
+    the positions of the same parameter list); and each rank's RNG state, read on the way."""
     merged = dict(state["optimizer"]["state"])
+    rngs = {0: state["rng"]}
     for rank in range(1, int(meta["ranks"])):
-        merged.update(_rank_state(directory, meta, rank)["optimizer"]["state"])
-    return {**state, "optimizer": {**state["optimizer"], "state": merged}}
+        other = _rank_state(directory, meta, rank)
+        merged.update(other["optimizer"]["state"])
+        rngs[rank] = other["rng"]
+    return {**state, "optimizer": {**state["optimizer"], "state": merged}}, rngs
 
 
 def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> Path:
@@ -577,6 +582,8 @@ class Checkpoint:
     # loaded without the parameters' values: `parameters` holds meta tensors (names and
     # shapes, for `check`) and `parameters_one_by_one` reads them when applied
     streamed: bool = False
+    # data parallel: each rank's RNG state by rank (the consolidated `state` holds rank 0's)
+    rank_rngs: dict[int, Any] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -626,7 +633,7 @@ class Checkpoint:
         self.check(engine.state_dict())
         rank = dist.get_rank() if ranks != 1 and _ranks(engine) == ranks else 0
         if rank != 0 and _data_parallel(self.meta) > 1:  # consolidated: only the RNG is its own
-            state = {**state, "rng": _rank_state(self.path, self.meta, rank)["rng"]}
+            state = {**state, "rng": self.rank_rngs[rank]}
         elif rank != 0:  # tensor parallel: the rank's own shards (rank 0's is self.state)
             state = _rank_state(self.path, self.meta, rank)
         copy_parameters(engine, self.parameters_one_by_one())  # a rank's shards cut by the store
@@ -754,13 +761,15 @@ def load(
     with _reading(directory / STATE):
         skeleton = meta.pop("state")
     state = _state(directory, meta, meta.get("tensors", TENSORS), skeleton)
+    rank_rngs: dict[int, Any] = {}
     if _data_parallel(meta) > 1:
-        state = _consolidated(directory, meta, state)
+        state, rank_rngs = _consolidated(directory, meta, state)
     if read_parameters and model is None:
-        checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta)
+        checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta,
+                                rank_rngs=rank_rngs)  # fmt: skip
     else:
         checkpoint = Checkpoint(directory, _parameter_shapes(directory, meta), state, meta,
-                                streamed=True)  # fmt: skip
+                                streamed=True, rank_rngs=rank_rngs)  # fmt: skip
     if model is not None:
         checkpoint.load_into(model)
     return checkpoint

@@ -82,8 +82,10 @@ class ChunkGroups:
     def _guard(self, what: str):
         return comm.guard(f"{what} (data parallel)", self.group)
 
-    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buffer = torch.zeros(numel, dtype=dtype, device=device)
+    def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The group's one communication buffer (its pool's, reused every step). Not zeroed:
+        a chunk's padding there is summed or gathered but never read back."""
+        buffer = self.group.buffers.get("data_parallel", (numel,), like)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, buffer.nbytes)
         return buffer
 
@@ -120,7 +122,7 @@ class ChunkGroups:
             self._one_per_owner(grads, dist.reduce, "reducing gradients to their owner")
             return mine if mine.numel() else None
         like = next(g for g in grads if g.numel())
-        flat = self._buffer((self.size + 1) * chunk_size, like.dtype, like.device)
+        flat = self._buffer((self.size + 1) * chunk_size, like)
         stacked, out = flat[: self.size * chunk_size], flat[self.size * chunk_size :]
         for i, grad in enumerate(grads):
             stacked[i * chunk_size : i * chunk_size + grad.numel()].copy_(grad)
@@ -138,7 +140,7 @@ class ChunkGroups:
             self._one_per_owner(homes, dist.broadcast, "broadcasting updates from their owner")
             return
         like = next(h for h in homes if h.numel())
-        flat = self._buffer((self.size + 1) * chunk_size, like.dtype, like.device)
+        flat = self._buffer((self.size + 1) * chunk_size, like)
         gathered, mine = flat[: self.size * chunk_size], flat[self.size * chunk_size :]
         own = homes[self.rank]
         mine[: own.numel()].copy_(own)
