@@ -9,6 +9,7 @@ since N processes share the machine's cores.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -31,6 +32,9 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, backend: str, thr
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
     finally:
+        # engines the function left behind release their process groups now, while the
+        # default group lives, not in the interpreter's teardown after it is gone
+        gc.collect()
         dist.destroy_process_group()
 
 
