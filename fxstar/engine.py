@@ -15,6 +15,7 @@ eval mode (dropout off) is a separate capture.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import threading
@@ -30,7 +31,7 @@ from fxstar import placement
 from fxstar.capture import capture
 from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
-from fxstar.mesh import DP_GROUP, data_parallel_size
+from fxstar.mesh import DP_GROUP, data_parallel_size, sharded_payloads
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
@@ -56,7 +57,7 @@ REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan
 # verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
 ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed", "device",
                   "precision", "loss_scale", "hybrid_adam", "margin_use_ratio",
-                  "data_parallel")  # fmt: skip
+                  "data_parallel", "data_parallel_shard")  # fmt: skip
 
 
 def implemented_options() -> set[str]:
@@ -340,7 +341,8 @@ class Engine(nn.Module):
         follow."""
         if self._weights is None or self._weights_line is not None or self.chunks is None:
             return
-        self._weights_line = placement.fill(self.model, self._weights, self._unfilled_buffers)
+        self._weights_line = placement.fill(self.model, self._weights, self._unfilled_buffers,
+                                            sharded=self.chunks.sharded)  # fmt: skip
         self.chunks.masters_written()
         if self.traced is not self.model:  # the low-precision copy's buffers, from the model's
             own = dict(self.model.named_buffers())
@@ -360,7 +362,8 @@ class Engine(nn.Module):
         groups = None
         if layout.ranks > 1:
             groups = ChunkGroups(layout.ranks, self.shared[DP_GROUP],
-                                 mem_saving=self.plan.mem_saving_comm)  # fmt: skip
+                                 mem_saving=self.plan.mem_saving_comm,
+                                 sharded=sharded_payloads(self.plan))  # fmt: skip
         return ChunkManager.from_plan(
             program.decisions.chunk_plan, tensors, masters=masters,
             monitor=self.plan.async_mem_monitor,
@@ -376,6 +379,9 @@ class Engine(nn.Module):
         if observation is None:
             return
         compiled, observed = observation
+        if self.chunks.sharded:  # every rank refines alike: its loads are collective
+            measured = self.chunks.data_parallel.agree_measured(observed.nonmodel_bytes)
+            observed = dataclasses.replace(observed, nonmodel_bytes=measured)
         for program in self.programs.values():
             if program.decisions.chunk_plan is compiled:
                 program.decisions.chunk_plan = compiled.refined(observed)
@@ -558,6 +564,9 @@ class Engine(nn.Module):
         """The model's keys, shapes and dtypes, whatever passes (or bf16/fp16, whose traced
         copy holds low-precision buffers) did to the tensors."""
         state = self.store.state_dict()
+        if self.chunks is not None and self.chunks.sharded:  # other ranks' chunks: collective
+            full = self.chunks.data_parallel.full_parameters(self.chunks)
+            state = {k: full.get(k, v) if v.is_meta else v for k, v in state.items()}
         own = {k: v.dtype for k, v in self.model.state_dict().items()}
         return {prefix + k: v.to(own.get(k, v.dtype)) for k, v in state.items()}
 

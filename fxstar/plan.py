@@ -647,6 +647,14 @@ class Plan:
         "replicas of one model (chunk groups, each chunk's optimizer state on one rank); False: "
         "each process trains a model of its own.",
     )  # fmt: skip
+    data_parallel_shard: str = _option(
+        "auto", check=_choice("auto", "params", "optimizer"), feature="the distributed runtime",
+        doc="What data-parallel ranks divide among them: 'params' (PatrickStar's chunk groups, "
+        "ZeRO-3: a rank keeps the host homes of its own chunks only and fetches the others "
+        "from their owners when the plan needs them, gradients reduced to the owners during "
+        "backward), 'optimizer' (every rank holds every payload, each steps its own chunks: "
+        "ZeRO-Offload); 'auto' = 'params' with Adam/AdamW (HybridAdam), else 'optimizer'.",
+    )  # fmt: skip
     dist_timeout: float = _option(
         300.0, check=_real(0, MAX_DIST_TIMEOUT, lo_open=True), feature="the distributed runtime",
         doc="Seconds a rank waits in one of the engine's collectives before it raises an error "

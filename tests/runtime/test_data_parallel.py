@@ -84,6 +84,7 @@ CASES = {
             "chunk_size": 4096,
             "device_memory": "8MiB",
             "optimizer": {"lr": 1e-2, "clip_grad_norm": 0.5},
+            "data_parallel_shard": "optimizer",  # the device half keeps replicated payloads
         },
         "gpt",
         0.0,
@@ -137,7 +138,8 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         loss.backward()
         engine.step()
         losses.append(loss.item())
-    state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    names = dict(model.named_parameters())  # sharded: other ranks' chunks are meta here
+    state = {n: p.detach().float().clone() for n, p in engine.state_dict().items() if n in names}
     groups = engine.chunks.data_parallel
     info = {
         "chunks": len(engine.chunks.layout.chunks),
@@ -230,7 +232,9 @@ def test_transformers_and_activation_passes_at_world_2_match_the_serial_run():
 
 
 def _stops_mid_step(rank: int, world: int) -> dict:
-    """Rank 1 raises between its backward and its step; rank 0 goes on into the step."""
+    """Rank 1 raises between its backward and its step; rank 0 goes on into the step and the
+    next forward (with sharded payloads the step has no collective without clipping: the
+    next fetch from an owner is the first to miss rank 1)."""
     plan = Plan(chunk_size=4096, device_memory="auto", dist_timeout=20)
     model = gpt()
     (ids, targets), *_ = batches(world)
@@ -244,6 +248,7 @@ def _stops_mid_step(rank: int, world: int) -> dict:
     start = time.perf_counter()
     try:
         engine.step()
+        engine(ids[:PER_RANK], targets[:PER_RANK])
     except CollectiveError as error:
         return {"error": str(error), "seconds": time.perf_counter() - start}
     return {"error": None}
