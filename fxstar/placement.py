@@ -24,6 +24,7 @@ from torch import nn
 
 from fxstar.capture import is_meta
 from fxstar.errors import FxstarError, UsageError
+from fxstar.mesh import sharded_payloads
 from fxstar.plan import resolve_device
 from fxstar.runtime.layout import ChunkPlan
 from fxstar.sizes import format_size
@@ -76,6 +77,7 @@ def host_need(plan: Any, chunk_plan: ChunkPlan) -> tuple[int, int]:
         masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
         moments=plan.optimizer.type in ("adam", "adamw"),
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
+        sharded=layout.ranks > 1 and sharded_payloads(plan),  # and its own homes only
     )  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     return need, arena

@@ -62,6 +62,7 @@ class ChunkGroups:
         self.peak_buffer_bytes = 0  # the largest communication buffer a collective used
         self.bytes_sent = 0  # bytes of the input tensors this rank handed to collectives
         self.bytes_fetched = 0  # sharded: payload bytes that came from their owner
+        self.peak_staging_bytes = 0  # sharded: the most gradient staging held at once
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.size
@@ -81,7 +82,8 @@ class ChunkGroups:
         else:
             way = ("N reduces and N broadcasts in place" if self.mem_saving
                    else "reduce-scatter and all-gather over a group buffer")  # fmt: skip
-        fetched = f", {self.bytes_fetched:,} fetched from owners" if self.sharded else ""
+        fetched = (f", {self.bytes_fetched:,} fetched from owners, gradient staging peak "
+                   f"{self.peak_staging_bytes:,} bytes" if self.sharded else "")  # fmt: skip
         return (
             f"data parallel: rank {self.rank} of {self.size}, owns every chunk i with "
             f"i mod {self.size} == {self.rank} ({way}); largest communication buffer "

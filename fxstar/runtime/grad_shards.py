@@ -60,7 +60,6 @@ class GradShards:
         self.staged: dict[int, torch.Tensor] = {}  # unit -> its staging buffer
         self.names: dict[int, set[str]] = {}  # unit -> slots with a gradient staged
         self.spare: list[torch.Tensor] = []  # staging buffers kept for reuse (at most 2)
-        self.peak_bytes = 0  # the most staging memory held at once
         self.reductions = 0
         self._flush_queued = False
 
@@ -110,7 +109,7 @@ class GradShards:
         else:
             buffer = torch.zeros(numel, dtype=self.dtype, device=self.device)
         held = (len(self.staged) + 1) * buffer.nbytes
-        self.peak_bytes = max(self.peak_bytes, held)
+        self.groups.peak_staging_bytes = max(self.groups.peak_staging_bytes, held)
         return buffer
 
     def _reduce(self, unit: int) -> None:

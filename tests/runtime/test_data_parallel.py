@@ -69,6 +69,12 @@ CASES = {
         "gpt",
         0.0,
     ),
+    "fp32 replicated": (  # every rank holds every payload, steps its own chunks
+        {**CHUNKS, "data_parallel_shard": "optimizer",
+         "optimizer": {"type": "adamw", "lr": 1e-2, "clip_grad_norm": 0.5}},
+        "gpt",
+        0.0,
+    ),  # fmt: skip
     "fp32 mem_saving_comm": (
         {**CHUNKS, "mem_saving_comm": True, "optimizer": {"lr": 1e-2}},
         "gpt",
@@ -147,6 +153,11 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         "ranks": engine.chunks.layout.ranks,
         "report": engine.report(),
         "peak_buffer": groups.peak_buffer_bytes if groups is not None else 0,
+        "staging": groups.peak_staging_bytes if groups is not None else 0,
+        "chunk_bytes": engine.chunks.layout.chunk_bytes,
+        "host_bytes": sum(c.host.nbytes + (c.master.nbytes if c.master is not None else 0)
+                          for c in engine.chunks.chunks),
+        "remote": sum(c.remote for c in engine.chunks.chunks),
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
         "moments": sum(
             s["exp_avg"].numel() for s in engine.optimizer.state.values() if "exp_avg" in s
@@ -208,9 +219,19 @@ def check_cases(world: int, names: list[str]) -> list[dict]:
 
 def run_world(world: int) -> None:
     results = check_cases(world, list(CASES))
-    serial_moments = train("fp32", 0, world, serial=True)["info"]["moments"]
+    serial = train("fp32", 0, world, serial=True)["info"]
     moments = [r["fp32"]["info"]["moments"] for r in results]
-    assert sum(moments) == serial_moments and max(moments) < serial_moments  # sharded state
+    assert sum(moments) == serial["moments"] and max(moments) < serial["moments"]  # sharded
+    chunk = serial["chunk_bytes"]
+    for r in results:  # payloads sharded: a rank's homes are its own chunks (and alignment)
+        info = r["fp32"]["info"]
+        assert info["host_bytes"] <= serial["host_bytes"] / world + chunk
+        assert info["remote"] == info["chunks"] - info["chunks"] // world
+        # gradients reduced during backward: at most two groups staged, not the model
+        assert 0 < info["staging"] <= 2 * world * chunk < serial["host_bytes"]
+        assert 0 < r["fp32 mem_saving_comm"]["info"]["staging"] <= 2 * chunk
+        assert r["fp32 replicated"]["info"]["host_bytes"] == serial["host_bytes"]
+        assert r["fp32 replicated"]["info"]["remote"] == 0
     assert results[0]["fp32 mem_saving_comm"]["info"]["peak_buffer"] == 0
     assert results[0]["fp32"]["info"]["peak_buffer"] > 0
     assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
@@ -366,3 +387,45 @@ def test_fake_dist_gives_each_rank_its_part_of_the_budget():
     with pytest.raises(fxstar.passes.chunk_layout.ChunkLayoutError, match="fake_dist"):
         fxstar.compile(gpt(), Plan(device_memory="1MiB", fake_dist=True),
                        example_inputs=batches(1)[0])  # fmt: skip
+
+
+# -- a meta model, its weights read by their owners ---------------------------------------------
+
+
+def _meta_from_file(rank: int, world: int, directory: str) -> dict:
+    """The same GPT trained 2 steps at world 2, built on the host and built on the meta device
+    with its weights read from `directory` (each owner reads its own chunks' tensors)."""
+    ids, targets = batches(world)[0]
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    out = {}
+    for kind in ("host", "meta"):
+        plan = Plan.from_dict({**CHUNKS, "optimizer": {"lr": 1e-2}})
+        if kind == "host":
+            engine = fxstar.compile(gpt(), plan, example_inputs=(ids[rows], targets[rows]))
+        else:
+            with torch.device("meta"):
+                model = gpt()
+            engine = fxstar.compile(model, plan, example_inputs=(ids[rows], targets[rows]),
+                                    weights=directory)  # fmt: skip
+            out["weights"] = engine._weights_line
+        losses = []
+        for ids_, targets_ in batches(world)[:2]:
+            loss = engine(ids_[rows], targets_[rows])
+            loss.backward()
+            engine.step()
+            losses.append(loss.item())
+        out[kind] = (losses, {n: t.clone() for n, t in engine.state_dict().items()})
+    return out
+
+
+def test_a_meta_model_reads_only_its_own_chunks_and_trains_like_the_host_model(tmp_path):
+    from safetensors.torch import save_model
+
+    save_model(gpt(), str(tmp_path / "model.safetensors"))
+    for rank in spawn(_meta_from_file, 2, str(tmp_path)):
+        (host_losses, host_state), (meta_losses, meta_state) = rank["host"], rank["meta"]
+        assert meta_losses == host_losses
+        for name, want in host_state.items():
+            assert torch.equal(meta_state[name], want), name
+        read = int(rank["weights"].split("(read ")[1].split()[0])
+        assert 0 < read < len(host_state) - 1, rank["weights"]  # its own chunks' tensors only
