@@ -39,6 +39,7 @@ from fxstar.passes.chunk_layout import check_chunk_options
 from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
 from fxstar.plan import PlanError, resolve_device
 from fxstar.program import EXPORT, Program
+from fxstar.release import check_release, release_storage
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
 from fxstar.runtime.chunks import ChunkManager
@@ -57,7 +58,7 @@ REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan
 # verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
 ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed", "device",
                   "precision", "loss_scale", "hybrid_adam", "margin_use_ratio",
-                  "data_parallel", "data_parallel_shard")  # fmt: skip
+                  "data_parallel", "data_parallel_shard", "release_after_init")  # fmt: skip
 
 
 def implemented_options() -> set[str]:
@@ -103,6 +104,7 @@ class Engine(nn.Module):
         self._weights_line: str | None = None
         # under torchrun: the replicas this process is one of (runtime/data_parallel.py)
         self.data_parallel_size = data_parallel_size(plan)
+        check_release(plan, self.data_parallel_size)
         self.device = placement.place(model, plan)  # the compute device (None: the model's)
         self.dynamic_shapes = dynamic_shapes
         self.method = method
@@ -328,12 +330,21 @@ class Engine(nn.Module):
             # the chunks hold the low-precision payloads now: the traced copy keeps shapes
             # only (a later capture traces it as a meta model; verify runs it, so keeps it)
             _drop_parameter_storage(self.traced)
+        originals = []  # the model's own tensors the chunk homes replace (fxstar/release.py)
         for name, stable in self.chunks.stable.items():
             self.store.rebind(name, stable)
             for alias in slots[name].aliases:
                 if alias in own:  # derived parts (tiles, shards) are not the model's
+                    originals.append(own[alias])
                     owner, _, attr = alias.rpartition(".")
                     setattr(self.model.get_submodule(owner), attr, stable)
+        if self.plan.release_after_init:
+            kept = {
+                p.untyped_storage().data_ptr() for p in self.model.parameters() if not p.is_meta
+            }  # parameters kept out of the chunks (cpu_embedding)
+            release_storage(
+                p for p in originals if p.is_meta or p.untyped_storage().data_ptr() not in kept
+            )
 
     def _fill_weights(self) -> None:
         """Once, for a model built on the meta device: its parameters are views of their chunk

@@ -628,7 +628,12 @@ class Plan:
     )  # fmt: skip
     release_after_init: bool = _option(
         False, check=_boolean, feature=_CHUNKS,
-        doc="Free the model's original parameter tensors once they are copied into chunks.",
+        doc="One process: once the chunk homes hold the values, free the storage of the "
+        "model's original parameter tensors, even where the caller still holds them (the "
+        "host never holds the model twice). False (what the engine always did): the model's "
+        "parameters become the engine's all the same, and the originals are left intact and "
+        "untouched by training. A meta-built model goes straight into its chunk homes either "
+        "way. Not built yet under data parallelism (its rank-aware meaning).",
     )  # fmt: skip
     fake_dist: bool = _option(
         False, check=_boolean, feature=_DIST,
