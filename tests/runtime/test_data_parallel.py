@@ -70,8 +70,11 @@ CASES = {
         0.0,
     ),
     "fp32 replicated": (  # every rank holds every payload, steps its own chunks
-        {**CHUNKS, "data_parallel_shard": "optimizer",
-         "optimizer": {"type": "adamw", "lr": 1e-2, "clip_grad_norm": 0.5}},
+        {
+            **CHUNKS,
+            "data_parallel_shard": "optimizer",
+            "optimizer": {"type": "adamw", "lr": 1e-2, "clip_grad_norm": 0.5},
+        },
         "gpt",
         0.0,
     ),  # fmt: skip
@@ -155,8 +158,10 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         "peak_buffer": groups.peak_buffer_bytes if groups is not None else 0,
         "staging": groups.peak_staging_bytes if groups is not None else 0,
         "chunk_bytes": engine.chunks.layout.chunk_bytes,
-        "host_bytes": sum(c.host.nbytes + (c.master.nbytes if c.master is not None else 0)
-                          for c in engine.chunks.chunks),
+        "host_bytes": sum(
+            c.host.nbytes + (c.master.nbytes if c.master is not None else 0)
+            for c in engine.chunks.chunks
+        ),
         "remote": sum(c.remote for c in engine.chunks.chunks),
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
         "moments": sum(
