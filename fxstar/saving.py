@@ -42,9 +42,14 @@ state, so the run resumes bit for bit. That needs the same world size and tensor
 size; another (or a checkpoint of an older fxstar, with rank 0's state only) is refused with
 a CheckpointError: `fxstar.load(dir, model)` before compile still takes its weights.
 
-Under data parallelism (runtime/data_parallel.py) the same gathering writes every rank's
-training state (each holds the moments of its own chunks only) and training.json says
-"data_parallel": N. Loading consolidates: the optimizer states of all ranks are joined into one
+Under data parallelism (runtime/data_parallel.py) every rank writes its own files into one
+scratch directory rank 0 made: its training state (the moments of its own chunks, its RNG;
+rank 0's is training.safetensors, rank r's training.rank<r>.safetensors) and, with sharded
+payloads, its own chunks' parameters (model.rank<r>.safetensors, rank 0's with the buffers;
+training.json's "parameters" lists the files); replicated, rank 0 writes model.safetensors.
+Rank 0 gathers only the records (skeletons, checksums), writes training.json and swaps the
+directory in; no rank's tensors pass through another. training.json says "data_parallel": N.
+Loading consolidates: the optimizer states of all ranks are joined into one
 (`fxstar.load` returns that), and each rank of any number of data-parallel ranks, or one
 process, takes what its own chunks need, so a checkpoint of 2 ranks resumes at 1, 2 or 4. At
 the same world size each rank gets its own RNG state back, at another rank 0's.
@@ -256,6 +261,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def save(engine: Engine, path: str | os.PathLike) -> Path:
     """Write `engine`'s checkpoint to directory `path`, replacing any there atomically. Under
     tensor parallelism every rank must call it (the parameters are gathered); rank 0 writes."""
+    if engine.data_parallel_size > 1:  # each rank writes its own files
+        return _save_data_parallel(engine, path)
     params, aliases = _dedupe(engine.state_dict())  # collective under tensor parallelism
     ranks = _ranks(engine)
     if ranks == 1:
@@ -301,21 +308,7 @@ def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tenso
     if len(states) != ranks:
         raise CheckpointError(f"{len(states)} training states for {ranks} ranks")
     skeleton, tensors = states[0]
-    plan = engine.plan.to_dict()
-    plan.pop("loss_fn", None)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "torch": torch.__version__,
-        "model": type(engine.model).__name__,
-        "ranks": ranks,
-        "data_parallel": engine.data_parallel_size,
-        "parameters": {"file": PARAMETERS, "aliases": aliases},
-        "tensors": TENSORS,
-        "files": {},
-        "state": skeleton,
-        "plan": _jsonable(plan),
-    }
+    meta = _meta_of(engine, ranks, aliases, skeleton, [PARAMETERS])
     files = [(PARAMETERS, params, {"format": "pt", ALIASES_KEY: json.dumps(aliases)}),
              (TENSORS, tensors, {"format": "pt"})]  # fmt: skip
     if ranks > 1:  # the other ranks' training states: their own RNG and optimizer shards
@@ -326,15 +319,120 @@ def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tenso
 
     def write(tmp: Path) -> None:
         for name, content, metadata in files:  # tensor by tensor: never a copy of all
-            crcs = write_safetensors(tmp / name, content, metadata)
-            meta["files"][name] = {
-                "bytes": (tmp / name).stat().st_size,
-                "crc32": _file_crc(tmp / name),
-                "tensors": {k: f"{crc:08x}" for k, crc in crcs.items()},
-            }
+            meta["files"][name] = _write_file(tmp, name, content, metadata)
         (tmp / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
     return write_atomically(path, write)
+
+
+def _meta_of(engine: Engine, ranks: int, aliases: dict[str, str], skeleton: Any,
+             parameter_files: list[str]) -> dict[str, Any]:  # fmt: skip
+    """training.json's content but the files' records."""
+    plan = engine.plan.to_dict()
+    plan.pop("loss_fn", None)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "torch": torch.__version__,
+        "model": type(engine.model).__name__,
+        "ranks": ranks,
+        "data_parallel": engine.data_parallel_size,
+        "parameters": {"file": parameter_files[0], "files": parameter_files, "aliases": aliases},
+        "tensors": TENSORS,
+        "files": {},
+        "state": skeleton,
+        "plan": _jsonable(plan),
+    }
+
+
+def _write_file(directory: Path, name: str, content: Mapping[str, torch.Tensor],
+                metadata: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+    """Write one safetensors file of a checkpoint (tensor by tensor); its record for
+    training.json (size and checksums)."""
+    crcs = write_safetensors(directory / name, content, metadata)
+    return {
+        "bytes": (directory / name).stat().st_size,
+        "crc32": _file_crc(directory / name),
+        "tensors": {k: f"{crc:08x}" for k, crc in crcs.items()},
+    }
+
+
+def _parameter_file(rank: int) -> str:
+    """Rank `rank`'s share of a data-parallel checkpoint's parameters."""
+    return f"model.rank{rank}.safetensors"
+
+
+def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
+    """Every data-parallel rank writes its own files into one scratch directory that rank 0
+    made: its training state (the moments of its own chunks, its RNG) and, with sharded
+    payloads, the parameters of its own chunks (rank 0 adds the buffers; replicated, rank 0
+    writes them all). Rank 0 gathers the small records (skeletons, checksums), writes
+    training.json and swaps the directory in: never a rank's state through another."""
+    group = _group(engine)
+    pg = tp.process_group(group)
+    rank = dist.get_rank(pg)
+    sharded = engine.chunks is not None and engine.chunks.sharded
+    target = Path(path).absolute()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_killed_saves(target)
+            box[0] = str(_scratch(target, "tmp"))
+        except Exception as caught:
+            box[0] = CheckpointError(f"rank 0 could not make the checkpoint's directory: {caught}")
+    with tp.guard("broadcast_object_list (checkpoint save)", group):
+        dist.broadcast_object_list(box, group=pg, group_src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    tmp = Path(box[0])
+    try:
+        if sharded or rank == 0:
+            state = engine.store.state_dict() if sharded else engine.state_dict()
+            names = dict(engine.model.named_parameters(remove_duplicate=False))
+            mine = {k: v for k, v in state.items()  # sharded: meta are other ranks' chunks
+                    if not v.is_meta and (rank == 0 or k in names)}  # fmt: skip
+            params, aliases = _dedupe(mine)
+        else:
+            params, aliases = {}, {}
+        skeleton, tensors = _to_json(training_state(engine))
+        records = {_rank_file(rank): _write_file(tmp, _rank_file(rank), tensors, {"format": "pt"})}
+        file = _parameter_file(rank) if sharded else PARAMETERS
+        if params or rank == 0:
+            header = {"format": "pt", ALIASES_KEY: json.dumps(aliases)}
+            records[file] = _write_file(tmp, file, params, header)
+        ours: Any = (skeleton, records, aliases)
+    except Exception as caught:
+        ours = f"{type(caught).__name__}: {caught}"
+    gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
+    with tp.guard("gather_object (checkpoint save)", group):
+        dist.gather_object(ours, gathered, group=pg, group_dst=0)
+
+    def finish() -> Path:
+        for r, got in enumerate(gathered):
+            if isinstance(got, str):
+                raise CheckpointError(f"rank {r} could not write its part of the checkpoint: {got}")
+        files = [f for _, records, _ in gathered for f in records
+                 if f == PARAMETERS or f.startswith("model.")]  # fmt: skip
+        aliases = {k: v for _, _, a in gathered for k, v in a.items()}
+        meta = _meta_of(engine, len(gathered), aliases, gathered[0][0], files)
+        meta["rank_states"] = {
+            str(r): {"tensors": _rank_file(r), "state": skeleton}
+            for r, (skeleton, _, _) in enumerate(gathered) if r > 0
+        }  # fmt: skip
+        for _, records, _ in gathered:
+            meta["files"].update(records)
+        (tmp / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        return _swap_in(tmp, target)
+
+    def saved() -> Path:
+        try:
+            return finish()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    return _on_rank_zero(saved, group)
 
 
 def _ranks(engine: Engine) -> int:
@@ -402,6 +500,16 @@ def write_atomically(path: str | os.PathLike, write: Any) -> Path:
     tmp = _scratch(target, "tmp")
     try:
         write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _swap_in(tmp, target)
+
+
+def _swap_in(tmp: Path, target: Path) -> Path:
+    """The written scratch directory `tmp`, synced, in place of `target` (the old one kept
+    aside until the new one is in)."""
+    try:
         for file in tmp.iterdir():
             _fsync(file)
         _fsync(tmp)
@@ -605,9 +713,10 @@ class Checkpoint:
         if not self.streamed:
             yield from self.parameters.items()
             return
-        with WeightSource(self.path / PARAMETERS) as source:
-            for name in source.names():
-                yield name, source.read(name)
+        for file in _parameter_files(self.meta):
+            with WeightSource(self.path / file) as source:
+                for name in source.names():
+                    yield name, source.read(name)
 
     def load_into(self, model: nn.Module) -> None:
         """Copy the parameters into an eager model (in place, like `load_state_dict`). Read
@@ -629,8 +738,10 @@ class Checkpoint:
         ranks = self.meta.get("ranks", 1)
         if ranks != 1 or _ranks(engine) != 1:
             self._resumable_by(engine)
-        # collective under tensor parallelism (the parameters are gathered): every rank is here
-        self.check(engine.state_dict())
+        # collective under tensor parallelism (the parameters are gathered): every rank is here;
+        # sharded payloads: names and shapes suffice (other ranks' chunks are meta here)
+        sharded = engine.chunks is not None and engine.chunks.sharded
+        self.check(engine.store.state_dict() if sharded else engine.state_dict())
         rank = dist.get_rank() if ranks != 1 and _ranks(engine) == ranks else 0
         if rank != 0 and _data_parallel(self.meta) > 1:  # consolidated: only the RNG is its own
             state = {**state, "rng": self.rank_rngs[rank]}
@@ -892,18 +1003,33 @@ def _verify(file: Path, size: int, crc: str, crcs: Mapping[str, str]) -> None:
 def _parameter_shapes(directory: Path, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The parameters as meta tensors under every model name (what `check` compares), the
     file's size and checksum verified: nothing of the model's size is read into memory."""
-    file = _checked_member(directory, meta, PARAMETERS)
-    with _reading(file), WeightSource(file) as source:
-        shapes = {n: torch.empty(source.shape(n), dtype=source.dtype(n), device="meta")
-                  for n in source.names()}  # fmt: skip
-        for alias, name in source.aliases().items():
-            shapes[alias] = shapes[name]
+    shapes: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name in _parameter_files(meta):
+        file = _checked_member(directory, meta, name)
+        with _reading(file), WeightSource(file) as source:
+            shapes.update({n: torch.empty(source.shape(n), dtype=source.dtype(n), device="meta")
+                           for n in source.names()})  # fmt: skip
+            aliases.update(source.aliases())
+    for alias, name in aliases.items():
+        shapes[alias] = shapes[name]
     return shapes
 
 
+def _parameter_files(meta: Mapping[str, Any]) -> list[str]:
+    """The files holding a checkpoint's parameters: one, or (data parallel with sharded
+    payloads) one a rank, each with its own chunks' parameters."""
+    return list(meta.get("parameters", {}).get("files", [PARAMETERS]))
+
+
 def _parameters(directory: Path, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    params, header = _read_tensors(directory, meta, PARAMETERS)
-    with _reading(directory / PARAMETERS):
-        for alias, name in json.loads(header.get(ALIASES_KEY, "{}")).items():
-            params[alias] = params[name]
+    params: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for file in _parameter_files(meta):
+        tensors, header = _read_tensors(directory, meta, file)
+        params.update(tensors)
+        with _reading(directory / file):
+            aliases.update(json.loads(header.get(ALIASES_KEY, "{}")))
+    for alias, name in aliases.items():
+        params[alias] = params[name]
     return params

@@ -325,7 +325,8 @@ def _global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(0, VOCAB, shape, generator=g)) for _ in range(4)]  # fmt: skip
 
 
-def _run_steps(rank: int, world: int, directory: str, first: int, save_at: int | None) -> list:
+def _run_steps(rank: int, world: int, directory: str, first: int, save_at: int | None,
+               shard: str = "params") -> list:  # fmt: skip
     """Steps `first`.. of the global batches on this rank's rows, from the checkpoint in
     `directory` when `first` > 0; saves there after step `save_at`. The ranks' mean losses."""
     import torch.distributed as dist
@@ -333,7 +334,7 @@ def _run_steps(rank: int, world: int, directory: str, first: int, save_at: int |
     part = GLOBAL_ROWS // world
     rows = slice(rank * part, (rank + 1) * part)
     data = _global_batches()
-    engine = fxstar.compile(gpt(), Plan.from_dict(RESUME),
+    engine = fxstar.compile(gpt(), Plan.from_dict({**RESUME, "data_parallel_shard": shard}),
                             example_inputs=(data[0][0][rows], data[0][1][rows]))  # fmt: skip
     if first:
         engine.load(directory)
@@ -352,17 +353,37 @@ def _run_steps(rank: int, world: int, directory: str, first: int, save_at: int |
     return (mean / world).tolist()
 
 
-def check_resumes(directory, worlds: list[int]) -> None:
+def check_resumes(directory, worlds: list[int], shard: str = "params") -> None:
     """Saved by 2 ranks after step 1: every world resumes steps 2 and 3 with the losses of
     the uninterrupted run (within the tolerance of the reduction order)."""
-    through = spawn(_run_steps, 2, str(directory), 0, 1)[0]
+    through = spawn(_run_steps, 2, str(directory), 0, 1, shard)[0]
+    if shard == "params":
+        check_rank_files(directory)
     for world in worlds:
         if world == 1:
-            resumed = _run_steps(0, 1, str(directory), 2, None)
+            resumed = _run_steps(0, 1, str(directory), 2, None, shard)
         else:
-            resumed = spawn(_run_steps, world, str(directory), 2, None)[0]
+            resumed = spawn(_run_steps, world, str(directory), 2, None, shard)[0]
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(through[2:]), rtol=1e-5,
                                    atol=1e-6, msg=lambda m, w=world: f"world {w}: {m}")  # fmt: skip
+
+
+def check_rank_files(directory) -> None:
+    """Each rank wrote its own chunks' parameters and its own training state; together they
+    are the whole model, each once (loaded by fxstar.load as one state dict)."""
+    from safetensors import safe_open
+
+    names = []
+    for rank in (0, 1):
+        with safe_open(str(directory / f"model.rank{rank}.safetensors"), "pt") as f:
+            names.append(set(f.keys()))
+    assert names[0] and names[1] and not names[0] & names[1]
+    assert (directory / "training.rank1.safetensors").exists()
+    assert not (directory / "model.safetensors").exists()
+    whole = dict(gpt().named_parameters())
+    loaded = fxstar.load(directory)
+    assert set(whole) <= set(loaded.parameters)
+    assert all(loaded.parameters[n].shape == p.shape for n, p in whole.items())
 
 
 def test_checkpoint_saved_at_world_2_resumes_at_world_1_and_2(tmp_path):
@@ -372,6 +393,11 @@ def test_checkpoint_saved_at_world_2_resumes_at_world_1_and_2(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_saved_at_world_2_resumes_at_world_4(tmp_path):
     check_resumes(tmp_path / "ckpt", [4])
+
+
+@pytest.mark.slow
+def test_replicated_checkpoint_saved_at_world_2_resumes_at_world_1_and_2(tmp_path):
+    check_resumes(tmp_path / "ckpt", [1, 2], shard="optimizer")
 
 
 def _fake_dist_budgets(rank: int, world: int) -> tuple[int, int]:
