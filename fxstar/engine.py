@@ -379,6 +379,7 @@ class Engine(nn.Module):
             program.decisions.chunk_plan, tensors, masters=masters,
             monitor=self.plan.async_mem_monitor,
             overlap_grad_copies={"on": True, "off": False}.get(self.plan.overlap_grad_copies),
+            prefetch={"on": True, "off": False}.get(self.plan.prefetch),
             grads_in_host=self.plan.grads_in_host, data_parallel=groups,
         )  # fmt: skip
 

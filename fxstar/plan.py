@@ -615,6 +615,13 @@ class Plan:
         doc="Copy gradients to their chunk buffers beside backward (a copy stream; on a "
         "CPU-only machine a worker thread); 'auto' = on with an accelerator.",
     )  # fmt: skip
+    prefetch: str = _option(
+        "auto", check=_choice("auto", "on", "off"), feature="the chunk manager's prefetch",
+        doc="Start loading the next planned chunk while this one computes, when it fits "
+        "without evicting (a copy on the copy stream; with sharded data-parallel payloads a "
+        "broadcast beside compute); 'auto' = on with an accelerator (on this 2-core CPU the "
+        "background copies and broadcasts took the cores compute needed).",
+    )  # fmt: skip
     grads_in_host: bool = _option(
         True, check=_boolean, feature="the chunk manager's gradient buffers",
         doc="Under bf16/fp16, a chunk's gradient takes the room of its host payload once "

@@ -36,8 +36,9 @@ LAYOUT_KEY = "chunk_layout"  # Program.shared key: one layout for every capture 
 BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='auto' settled on
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
-                 "async_mem_monitor", "overlap_grad_copies", "grads_in_host", "host_memory",
-                 "overall_cpu_mem_ratio", "overall_gpu_mem_ratio", "fake_dist")  # fmt: skip
+                 "async_mem_monitor", "overlap_grad_copies", "prefetch", "grads_in_host",
+                 "host_memory", "overall_cpu_mem_ratio", "overall_gpu_mem_ratio",
+                 "fake_dist")  # fmt: skip
 
 
 class ChunkLayoutError(FxstarError, ValueError):

@@ -104,17 +104,26 @@ class ChunkGroups:
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, buffer.nbytes)
         return buffer
 
-    def fetch(self, chunk_id: int, payload: torch.Tensor) -> None:
+    def fetch(self, chunk_id: int, payload: torch.Tensor, *, wait: bool = True
+              ) -> dist.Work | None:  # fmt: skip
         """Sharded: the owner's payload of a chunk (already copied there on the owner) into
         every rank's arena block, in place. Every rank fetches the same chunk at the same
-        access: they follow one plan with one budget (Residency decides alike)."""
+        access: they follow one plan with one budget (Residency decides alike). `wait=False`
+        (a prefetch): the broadcast runs beside compute; wait on what it returns
+        (`arrived`) before the payload is read or its block reused."""
         owner = self.owner(chunk_id)
         with self._guard(f"fetching chunk {chunk_id} from rank {owner}"):
-            dist.broadcast(payload, group=self.pg, group_src=owner)
+            work = dist.broadcast(payload, group=self.pg, group_src=owner, async_op=not wait)
         if owner == self.rank:
             self.bytes_sent += payload.nbytes
         else:
             self.bytes_fetched += payload.nbytes
+        return work
+
+    def arrived(self, chunk_id: int, work: dist.Work) -> None:
+        """A prefetch's broadcast is done (an error names the chunk and its owner)."""
+        with self._guard(f"fetching chunk {chunk_id} from rank {self.owner(chunk_id)}"):
+            work.wait()
 
     def reduce_unit(self, staged: torch.Tensor, owners: list[int], chunk_size: int
                     ) -> torch.Tensor | None:  # fmt: skip

@@ -165,6 +165,7 @@ class Residency:
         # sharded payloads: every load is a broadcast from the chunk's owner (each rank makes
         # the same choices, following one plan under one budget)
         self.owners = owners
+        self.inflight: dict[int, object] = {}  # chunk -> its prefetch's broadcast (sharded)
         self.checking = False  # verify the residency invariants after every access (tests)
         self.cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
         self.plan: AccessPlan | None = None
@@ -212,6 +213,7 @@ class Residency:
         if chunk.state is S.HOLD:
             self.stats.prefetch_hits += 1
         self._make_room(t, chunk)
+        self._arrived(chunk)
         if chunk.state is not S.COMPUTE:
             chunk.move(S.COMPUTE)
         chunk.last_access = t
@@ -296,8 +298,15 @@ class Residency:
                 best, best_key = chunk, key
         return best
 
+    def _arrived(self, chunk: Chunk) -> None:
+        """Wait for the chunk's prefetch broadcast, if one is in flight."""
+        work = self.inflight.pop(chunk.id, None)
+        if work is not None:
+            self.owners.arrived(chunk.id, work)
+
     def _evict(self, chunk: Chunk, count: bool = True) -> None:
         # the host holds the master copy: dropping a compute copy moves no bytes
+        self._arrived(chunk)  # its block is about to be reused
         chunk.move(S.RELEASED)
         if len(self.cache) < self.cache_capacity:
             self.cache.append(chunk.offset)
@@ -344,7 +353,9 @@ class Residency:
             if chunk.grad_slots:  # their host room holds gradients: parameters from masters
                 chunk.round_into(payload, chunk.slots_holding_grads())
         if self.owners is not None and chunk.used:
-            self.owners.fetch(chunk.id, payload)
+            work = self.owners.fetch(chunk.id, payload, wait=state is not S.HOLD)
+            if work is not None:  # a prefetch: waited for at its access or eviction
+                self.inflight[chunk.id] = work
             if chunk.remote:
                 self.step_bytes += payload.nbytes
         chunk.loaded_versions = versions

@@ -78,6 +78,11 @@ CASES = {
         "gpt",
         0.0,
     ),  # fmt: skip
+    "fp32 prefetch": (  # sharded: the next chunk's broadcast runs beside compute
+        {**CHUNKS, "prefetch": "on", "optimizer": {"lr": 1e-2}},
+        "gpt",
+        0.0,
+    ),
     "fp32 mem_saving_comm": (
         {**CHUNKS, "mem_saving_comm": True, "optimizer": {"lr": 1e-2}},
         "gpt",
@@ -237,6 +242,7 @@ def run_world(world: int) -> None:
         assert 0 < r["fp32 mem_saving_comm"]["info"]["staging"] <= 2 * chunk
         assert r["fp32 replicated"]["info"]["host_bytes"] == serial["host_bytes"]
         assert r["fp32 replicated"]["info"]["remote"] == 0
+    assert "prefetch hits 0," not in results[0]["fp32 prefetch"]["info"]["report"]
     assert results[0]["fp32 mem_saving_comm"]["info"]["peak_buffer"] == 0
     assert results[0]["fp32"]["info"]["peak_buffer"] > 0
     assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
