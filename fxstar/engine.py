@@ -39,7 +39,7 @@ from fxstar.passes.chunk_layout import check_chunk_options
 from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
 from fxstar.plan import PlanError, resolve_device
 from fxstar.program import EXPORT, Program
-from fxstar.release import check_release, release_storage
+from fxstar.release import release_storage
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
 from fxstar.runtime.chunks import ChunkManager
@@ -104,7 +104,6 @@ class Engine(nn.Module):
         self._weights_line: str | None = None
         # under torchrun: the replicas this process is one of (runtime/data_parallel.py)
         self.data_parallel_size = data_parallel_size(plan)
-        check_release(plan, self.data_parallel_size)
         self.device = placement.place(model, plan)  # the compute device (None: the model's)
         self.dynamic_shapes = dynamic_shapes
         self.method = method
@@ -353,7 +352,8 @@ class Engine(nn.Module):
         if self._weights is None or self._weights_line is not None or self.chunks is None:
             return
         self._weights_line = placement.fill(self.model, self._weights, self._unfilled_buffers,
-                                            sharded=self.chunks.sharded)  # fmt: skip
+                                            sharded=self.chunks.sharded,
+                                            everywhere=self.plan.release_after_init)  # fmt: skip
         self.chunks.masters_written()
         if self.traced is not self.model:  # the low-precision copy's buffers, from the model's
             own = dict(self.model.named_buffers())

@@ -15,8 +15,9 @@ before capture and their values from the same source.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -180,12 +181,18 @@ def give_buffers_storage(model: nn.Module, device: torch.device | str | None = N
     return named
 
 
-def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: bool = False
-         ) -> str:  # fmt: skip
+def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: bool = False,
+         everywhere: bool = False) -> str:  # fmt: skip
     """Give the model's parameters (views of their chunk homes by now) and the `buffers` that
     had no values their values from `weights`; returns a line for the report. `sharded`
     (data parallel, sharded payloads): the parameters still on the meta device are other
-    ranks' chunks, which their owners fill."""
+    ranks' chunks, which their owners fill; an init runs on this rank's own alone (cheap),
+    or with `everywhere` (release_after_init) on every parameter, the others' on storage
+    lent for the init and dropped after: the random numbers are drawn as in one process, so
+    each owner's chunks hold the serial model's values."""
+    if sharded and everywhere and (callable(weights) or weights == "init"):
+        with _lent_storage(model):
+            return fill(model, weights, buffers)
     if callable(weights):
         # as a constructor does: every module's own reset first, then the model's init (one
         # that touches some modules only must not leave the others' homes zero)
@@ -195,7 +202,10 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
                 if callable(reset):
                     reset()
     if callable(weights) or weights == "init":
-        report = initialize(model, {}, init=None if weights == "init" else weights)
+        elsewhere = [n for n, p in model.named_parameters(remove_duplicate=False)
+                     if p.is_meta] if sharded else []  # fmt: skip
+        report = initialize(model, {}, init=None if weights == "init" else weights,
+                            elsewhere=elsewhere)  # fmt: skip
         return (f"weights: initialised in their chunk homes by {report.init} "
                 f"({len(report.modules)} modules, {report.seconds:.2f}s)")  # fmt: skip
     persistent = set(model.state_dict(keep_vars=True))
@@ -209,6 +219,30 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
     if unfilled:
         _compute_buffers(model, unfilled)
     return f"weights: read from {os.fspath(weights)} ({report})"
+
+
+@contextlib.contextmanager
+def _lent_storage(model: nn.Module) -> Iterator[None]:
+    """Every meta parameter replaced by one with host storage (a tied one by one shared
+    replacement) while the block runs, then put back: what was written there is dropped."""
+    lent: dict[int, nn.Parameter] = {}
+    swapped = []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                loan = lent.get(id(param))
+                if loan is None:
+                    loan = lent[id(param)] = nn.Parameter(
+                        torch.zeros(param.shape, dtype=param.dtype),
+                        requires_grad=param.requires_grad,
+                    )
+                module._parameters[name] = loan
+                swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
 
 
 def _compute_buffers(model: nn.Module, names: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""release_after_init for one process (PatrickStar's option): what happens to the model's
+"""release_after_init (PatrickStar's option): what happens to the model's
 own parameter tensors once the chunk homes hold their values.
 
 By default (False) the engine rebinds the model's parameters to its chunk homes and leaves
@@ -8,8 +8,14 @@ storage is given back as soon as the homes hold the values, references or not, s
 never holds the model twice. A model built on the meta device has no original storage: it is
 materialised straight into its chunk homes either way.
 
-Under data parallelism the option means more (every rank initialises every chunk with the
-serial RNG sequence and keeps its own), which needs sharded payloads: refused there.
+Under data parallelism it means what PatrickStar means there: every rank initialises every
+chunk with the RNG sequence of a serial run and keeps its own. With sharded payloads a meta
+model's init (`weights="init"` or a callable) then runs on every parameter, the other ranks'
+on storage lent for the init and dropped after (placement.fill), so with the same seed the
+owners' chunks hold the serial model's values bit for bit; without the option each rank
+initialises its own chunks only (cheaper: no other rank's parameters are ever made). A host
+model is already whole on every rank: the owners take rank 0's values, and True frees the
+originals as in one process.
 """
 
 from __future__ import annotations
@@ -18,21 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from fxstar.errors import OptionNotImplementedError
-
-__all__ = ["check_release", "release_storage"]
-
-
-def check_release(plan, data_parallel_ranks: int) -> None:
-    """Refuse the rank-aware meaning, which is not built yet, by name."""
-    if plan.release_after_init and data_parallel_ranks > 1:
-        raise OptionNotImplementedError(
-            f"Plan option 'release_after_init' under data parallelism ({data_parallel_ranks} "
-            "ranks) is not implemented yet: there it means every rank initialises every chunk "
-            "with the serial RNG sequence and keeps only its own, which needs sharded chunk "
-            "payloads. Set it to False (each rank then holds the model it was given until the "
-            "chunks take it), or train in one process"
-        )
+__all__ = ["release_storage"]
 
 
 def release_storage(tensors: Iterable[torch.Tensor]) -> int:

@@ -614,12 +614,14 @@ def _owners(
     return found
 
 
-def bind(module: nn.Module, destinations: Mapping[str, torch.Tensor]) -> list[str]:
+def bind(module: nn.Module, destinations: Mapping[str, torch.Tensor],
+         elsewhere: Collection[str] = ()) -> list[str]:  # fmt: skip
     """Make `module`'s parameters (and any buffers named) the given tensors, which then hold
     their values: a parameter keeps its identity (`torch.utils.swap_tensors`), its attributes
     and its ties; it takes the destination's dtype and device. Every parameter still on the
-    meta device needs a destination (under any of its names). Returns the names of buffers
-    left on the meta device."""
+    meta device needs a destination (under any of its names), but those named in `elsewhere`
+    (another process holds them: data parallel, sharded payloads). Returns the names of
+    buffers left on the meta device."""
     params, buffers = _owners(module, "_parameters"), _owners(module, "_buffers")
     known = {n for _, names, _ in [*params.values(), *buffers.values()] for n in names}
     problems = []
@@ -633,7 +635,7 @@ def bind(module: nn.Module, destinations: Mapping[str, torch.Tensor]) -> list[st
         for t, names, owners in tensors.values():
             given = [(n, destinations[n]) for n in names if n in destinations]
             if not given:
-                if is_param and t.is_meta:
+                if is_param and t.is_meta and not any(n in elsewhere for n in names):
                     problems.append(
                         f"{names[0]} (a parameter on the meta device) has no destination"
                     )
@@ -689,9 +691,12 @@ def initialize(
     destinations: Mapping[str, torch.Tensor],
     *,
     init: Callable[[nn.Module], object] | str | None = None,
+    elsewhere: Collection[str] = (),
 ) -> InitReport:
     """Bind `module` (built on the meta device) to `destinations` (see `bind`) and initialise
-    it there under `torch.no_grad()`, so the values land in the destinations.
+    it there under `torch.no_grad()`, so the values land in the destinations. Parameters
+    named in `elsewhere` stay on the meta device (another process holds them): the init
+    runs on them as on any meta tensor, drawing nothing.
 
     `init`:
     - "reset_parameters": each module's own `reset_parameters()` (else `_reset_parameters()`),
@@ -732,7 +737,7 @@ def initialize(
                 f"nothing would initialise them:\n{_listing(bare)}\n  (pass init=, a function "
                 "of one module, or init='transformers' for a transformers model)"
             )
-    meta_buffers = bind(module, destinations)
+    meta_buffers = bind(module, destinations, elsewhere)
     start = time.perf_counter()
     ran: list[str] = []
     with torch.no_grad():

@@ -7,9 +7,7 @@ import torch
 from conftest import tiny_gpt, tokens
 
 import fxstar
-from fxstar.errors import OptionNotImplementedError
 from fxstar.passes.chunk_layout import ChunkLayoutError
-from fxstar.release import check_release
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -79,12 +77,3 @@ def test_a_meta_model_goes_straight_into_its_chunk_homes():
 def test_without_chunk_homes_it_is_refused_by_name():
     with pytest.raises(ChunkLayoutError, match="release_after_init.*device_memory"):
         fxstar.compile(tiny_gpt(), fxstar.Plan(release_after_init=True))
-
-
-def test_data_parallel_meaning_is_refused_by_name():
-    plan = fxstar.Plan(device_memory="40%", release_after_init=True)
-    check_release(plan, 1)
-    check_release(fxstar.Plan(device_memory="40%"), 4)
-    refused = "'release_after_init' under data parallelism.*serial RNG"
-    with pytest.raises(OptionNotImplementedError, match=refused):
-        check_release(plan, 2)

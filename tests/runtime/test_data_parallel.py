@@ -466,3 +466,40 @@ def test_a_meta_model_reads_only_its_own_chunks_and_trains_like_the_host_model(t
             assert torch.equal(meta_state[name], want), name
         read = int(rank["weights"].split("(read ")[1].split()[0])
         assert 0 < read < len(host_state) - 1, rank["weights"]  # its own chunks' tensors only
+
+
+def _initialised(rank: int, world: int, release: bool, factory: str = "gpt") -> dict:
+    """A meta model initialised in its chunk homes at world `world` (or one process): the
+    parameters after compile, gathered from their owners."""
+    ids, targets = batches(world)[0]
+    plan = Plan.from_dict({**CHUNKS, "release_after_init": release})
+    with torch.device("meta"):
+        model = MODELS[factory]()
+    torch.manual_seed(1234)  # every rank alike, as a launcher seeds them
+    if factory == "gpt":
+        example = {"example_inputs": (ids[:PER_RANK], targets[:PER_RANK])}
+    else:
+        example = {"example_kwargs": {"input_ids": ids[:PER_RANK], "labels": targets[:PER_RANK]}}
+    engine = fxstar.compile(model, plan, weights="init", **example)
+    return {n: t.clone() for n, t in engine.state_dict().items()}
+
+
+def check_release_after_init(factory: str) -> None:
+    serial = _initialised(0, 1, False, factory)
+    released = spawn(_initialised, 2, True, factory)
+    cheap = spawn(_initialised, 2, False, factory)
+    for name, want in serial.items():
+        for rank in released:  # every chunk initialised with the serial RNG sequence
+            assert torch.equal(rank[name], want), name
+        assert torch.equal(cheap[0][name], cheap[1][name]), name  # still one model
+    # without it each owner draws for its own chunks alone: not the serial values
+    assert any(not torch.equal(cheap[0][n], serial[n]) for n in serial)
+
+
+def test_release_after_init_starts_sharded_ranks_as_the_serial_model():
+    check_release_after_init("gpt")
+
+
+@pytest.mark.slow
+def test_release_after_init_starts_a_sharded_transformers_model_as_the_serial_one():
+    check_release_after_init("llama")
