@@ -77,6 +77,9 @@ CASES = {
     "bf16": ({**CHUNKS, "precision": "bf16", "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
     "accumulation": ({**CHUNKS, "optimizer": {"lr": 1e-2, "accumulation_steps": 2}}, "gpt", 0.0),
     "sgd": ({**CHUNKS, "optimizer": {"type": "sgd", "lr": 0.5}}, "gpt", 0.0),
+    # the position embedding leaves the chunks (GPT's token embedding is tied to the head):
+    # a loose parameter, its gradient averaged on its own
+    "cpu_embedding": ({**CHUNKS, "cpu_embedding": True, "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
     "dropout": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt", 0.1),
     # room to spare: HybridAdam keeps some of each rank's own chunks on the compute tier
     "hybrid keeps chunks": (
@@ -146,6 +149,7 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         "report": engine.report(),
         "peak_buffer": groups.peak_buffer_bytes if groups is not None else 0,
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
+        "host_embeddings": list(getattr(engine.program.decisions.cpu_embedding, "host", [])),
         "moments": sum(
             s["exp_avg"].numel() for s in engine.optimizer.state.values() if "exp_avg" in s
         ),  # fmt: skip
@@ -213,6 +217,7 @@ def run_world(world: int) -> None:
     assert results[0]["fp32"]["info"]["peak_buffer"] > 0
     assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
     assert all(r["hybrid keeps chunks"]["info"]["kept"] > 0 for r in results)
+    assert results[0]["cpu_embedding"]["info"]["host_embeddings"] == ["wpe.weight"]
 
 
 def test_world_2_matches_the_serial_run():
@@ -540,3 +545,156 @@ def test_clipping_and_fp16_under_tensor_parallel_are_refused_by_name():
     with pytest.raises(fxstar.errors.OptionNotImplementedError, match="fp16"):
         _refuse_rank_local_decisions(Plan(tensor_parallel=TP2, precision="fp16"))
     _refuse_rank_local_decisions(Plan(tensor_parallel=TP2, precision="bf16"))
+
+
+# -- BatchNorm buffers and fp16 overflow under data parallelism ------------------------------------
+
+
+class BatchNormNet(torch.nn.Module):
+    """A regression through BatchNorm1d: running statistics that training changes. fc1 has no
+    bias: BatchNorm removes it, so its gradient is rounding noise that Adam would turn into
+    updates of the learning rate's size (see key_bias_noise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32, bias=False)
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.fc2 = torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.fc2(torch.relu(self.bn(self.fc1(x)))), y)
+
+
+BN_PLAN = {"chunk_size": 512, "device_memory": "auto", "optimizer": {"type": "adamw", "lr": 1e-2}}
+BN_ROWS = 8  # per rank
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return BatchNormNet()
+
+
+def _bn_batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(world * BN_ROWS, 8, generator=g) * (1 + step),
+             torch.randn(world * BN_ROWS, 1, generator=g)) for step in range(STEPS)]  # fmt: skip
+
+
+def _bn_ddp_oracle(world: int) -> list[dict]:
+    """DDP's semantics in one process, in eager torch: `world` replicas, each a forward on its
+    rows after taking replica 0's buffers (broadcast_buffers), gradients averaged, one AdamW.
+    Each replica's buffers and parameters after the steps."""
+    opt = Plan.from_dict(BN_PLAN).optimizer
+    replicas = [_bn_model() for _ in range(world)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                    weight_decay=opt.weight_decay) for m in replicas]  # fmt: skip
+    for x, y in _bn_batches(world):
+        start = [b.clone() for b in replicas[0].buffers()]  # before any replica's forward
+        for r, model in enumerate(replicas):
+            with torch.no_grad():
+                for mine, first in zip(model.buffers(), start, strict=True):
+                    mine.copy_(first)
+            rows = slice(r * BN_ROWS, (r + 1) * BN_ROWS)
+            model(x[rows], y[rows]).backward()
+        with torch.no_grad():
+            for params in zip(*(m.parameters() for m in replicas), strict=True):
+                mean = torch.stack([p.grad for p in params]).mean(0)
+                for p in params:
+                    p.grad.copy_(mean)
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+    return [{"buffers": {n: b.clone() for n, b in m.named_buffers()},
+             "params": {n: p.detach().clone() for n, p in m.named_parameters()}}
+            for m in replicas]  # fmt: skip
+
+
+def _batch_norm_run(rank: int, world: int) -> dict:
+    """Each rank trains on its rows; then one more training forward on the same rows on every
+    rank: it starts from rank 0's buffers, so every rank ends with the same ones."""
+    model = _bn_model()
+    rows = slice(rank * BN_ROWS, (rank + 1) * BN_ROWS)
+    data = _bn_batches(world)
+    engine = fxstar.compile(model, Plan.from_dict(BN_PLAN),
+                            example_inputs=(data[0][0][rows], data[0][1][rows]))  # fmt: skip
+    for x, y in data:
+        engine(x[rows], y[rows]).backward()
+        engine.step()
+    trained = {n: b.clone() for n, b in model.named_buffers()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = data[-1]
+    engine(x[:BN_ROWS], y[:BN_ROWS])  # the same rows everywhere
+    engine.zero_grad(set_to_none=True)
+    again = {n: b.clone() for n, b in model.named_buffers()}
+    return {"trained": trained, "params": params, "again": again}
+
+
+FP16_PLAN = {**CHUNKS, "precision": "fp16", "optimizer": {"lr": 1e-2},
+             "loss_scale": {"initial_scale_power": 8, "hysteresis": 1}}  # fmt: skip
+# (a scale that does not overflow on its own; one overflow halves it)
+
+
+def _fp16_overflow_run(rank: int, world: int) -> dict:
+    """fp16: at step 1 rank 1 alone writes an inf into one gradient of a chunk it owns (so no
+    other rank sees it through the reduction); every rank must skip that step."""
+    model = gpt()
+    data = batches(world)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    engine = fxstar.compile(model, Plan.from_dict(FP16_PLAN),
+                            example_inputs=(data[0][0][rows], data[0][1][rows]))  # fmt: skip
+    manager = engine.chunks
+    losses, stepped, scales, snapshots = [], [], [], []
+    for step, (ids, targets) in enumerate(data[:STEPS]):
+        loss = engine(ids[rows], targets[rows])
+        loss.backward()
+        if step == 1 and rank == 1:
+            owned = next(s for c in manager.chunks if manager.owns(c.id) for s in c.slots
+                         if manager.slot_grad(s) is not None)  # fmt: skip
+            manager.grad_view(owned).view(-1)[0] = float("inf")
+        scales.append(engine.scaler.scale)
+        stepped.append(engine.step())
+        losses.append(loss.item())
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"losses": losses, "stepped": stepped, "scales": scales, "snapshots": snapshots,
+            "skipped": engine.optimizer.skipped_steps}  # fmt: skip
+
+
+def _dp_extras_worker(rank: int, world: int) -> dict:
+    return {"bn": _batch_norm_run(rank, world), "fp16": _fp16_overflow_run(rank, world)}
+
+
+def test_batch_norm_buffers_fp16_overflow_agreement_at_world_2():
+    """BatchNorm: every training forward starts from rank 0's buffers (DDP's broadcast_buffers):
+    buffers and parameters match a DDP simulation in eager torch, and a forward on the same
+    rows leaves every rank with identical buffers. fp16: an overflow on one rank only makes
+    every rank skip that step; the replicas stay bitwise one model."""
+    world = 2
+    results = spawn(_dp_extras_worker, world)
+    oracle = _bn_ddp_oracle(world)
+    for rank, r in enumerate(results):
+        bn = r["bn"]
+        for n, want in oracle[rank]["buffers"].items():
+            torch.testing.assert_close(bn["trained"][n], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=n, k=rank: f"rank {k} {n}: {m}")  # fmt: skip
+        for n, want in oracle[rank]["params"].items():
+            torch.testing.assert_close(bn["params"][n], want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=n, k=rank: f"rank {k} {n}: {m}")  # fmt: skip
+        for n, p in results[0]["bn"]["params"].items():
+            assert torch.equal(bn["params"][n], p), f"BatchNorm parameter {n} differs on {rank}"
+        for n, b in results[0]["bn"]["again"].items():
+            assert torch.equal(bn["again"][n], b), f"buffer {n} differs on rank {rank}"
+    # without the broadcast the ranks' statistics would be their own rows' (they differ)
+    mean = "bn.running_mean"
+    assert not torch.equal(results[0]["bn"]["trained"][mean], results[1]["bn"]["trained"][mean])
+    assert int(results[1]["bn"]["again"]["bn.num_batches_tracked"]) == STEPS + 1
+
+    first, second = (r["fp16"] for r in results)
+    for run in (first, second):
+        assert run["stepped"] == [True, False, True] and run["skipped"] == 1
+        assert run["scales"][2] == run["scales"][1] / 2  # the scaler backed off on every rank
+        for n, p in run["snapshots"][0].items():  # the skipped step left the weights alone
+            assert torch.equal(run["snapshots"][1][n], p), n
+    assert first["scales"] == second["scales"]
+    for step in range(STEPS):
+        for n, p in first["snapshots"][step].items():
+            assert torch.equal(second["snapshots"][step][n], p), f"step {step}: {n}"
