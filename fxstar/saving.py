@@ -692,9 +692,9 @@ class Checkpoint:
             return  # data parallel or one process: the optimizer state reshards by name
         if ranks != mine or (ranks != 1 and saved_tp != my_tp):
             raise CheckpointError(
-                f"{self.path} was saved by {ranks} ranks, tensor_parallel size {saved_tp} "
-                f"(x {_data_parallel(self.meta)} data parallel); this engine runs on {mine} "
-                f"(size {my_tp} x {engine.data_parallel_size}): a tensor-parallel run resumes "
+                f"{self.path} was saved by {ranks} tensor-parallel ranks (tensor_parallel size "
+                f"{saved_tp} x {_data_parallel(self.meta)} data-parallel replicas); this engine "
+                f"runs on {mine} (size {my_tp} x {engine.data_parallel_size}): a run resumes "
                 "at the same world size and tensor-parallel size only (resharding tensor-"
                 "parallel optimizer state is not supported); to start afresh from its weights, "
                 "load its parameters into the model before compile (fxstar.load(dir, model))"

@@ -532,7 +532,10 @@ def test_tensor_parallel_2_x_data_parallel_2_matches_the_tensor_parallel_run(tmp
         assert resumed["losses"] == r[first]["mesh"]["losses"][1:], rank
         for n, p in r[first]["mesh"]["params"].items():
             assert torch.equal(resumed["params"][n], p), f"resumed {n} on rank {rank}"
-        assert resumed["refused"] is not None and "saved by 4 ranks" in resumed["refused"]
+        assert (
+            resumed["refused"] is not None
+            and "saved by 4 tensor-parallel ranks" in resumed["refused"]
+        )
 
 
 def test_clipping_and_fp16_under_tensor_parallel_are_refused_by_name():
