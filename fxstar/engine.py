@@ -15,6 +15,7 @@ eval mode (dropout off) is a separate capture.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import threading
@@ -30,7 +31,7 @@ from fxstar import placement
 from fxstar.capture import capture
 from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
-from fxstar.mesh import DP_GROUP, MESH_GROUP, data_parallel_size, mesh_layout
+from fxstar.mesh import DP_GROUP, MESH_GROUP, data_parallel_size, mesh_layout, sharded_payloads
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
@@ -38,6 +39,7 @@ from fxstar.passes.chunk_layout import check_chunk_options
 from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
 from fxstar.plan import PlanError, resolve_device
 from fxstar.program import EXPORT, Program
+from fxstar.release import check_release, release_storage
 from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
 from fxstar.runtime.chunks import ChunkManager
@@ -56,7 +58,7 @@ REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan
 # verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
 ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed", "device",
                   "precision", "loss_scale", "hybrid_adam", "margin_use_ratio",
-                  "data_parallel")  # fmt: skip
+                  "data_parallel", "data_parallel_shard", "release_after_init")  # fmt: skip
 
 
 def implemented_options() -> set[str]:
@@ -102,6 +104,7 @@ class Engine(nn.Module):
         self._weights_line: str | None = None
         # under torchrun: the replicas this process is one of (runtime/data_parallel.py)
         self.data_parallel_size = data_parallel_size(plan)
+        check_release(plan, self.data_parallel_size)
         self.device = placement.place(model, plan)  # the compute device (None: the model's)
         self.dynamic_shapes = dynamic_shapes
         self.method = method
@@ -338,12 +341,21 @@ class Engine(nn.Module):
             # the chunks hold the low-precision payloads now: the traced copy keeps shapes
             # only (a later capture traces it as a meta model; verify runs it, so keeps it)
             _drop_parameter_storage(self.traced)
+        originals = []  # the model's own tensors the chunk homes replace (fxstar/release.py)
         for name, stable in self.chunks.stable.items():
             self.store.rebind(name, stable)
             for alias in slots[name].aliases:
                 if alias in own:  # derived parts (tiles, shards) are not the model's
+                    originals.append(own[alias])
                     owner, _, attr = alias.rpartition(".")
                     setattr(self.model.get_submodule(owner), attr, stable)
+        if self.plan.release_after_init:
+            kept = {
+                p.untyped_storage().data_ptr() for p in self.model.parameters() if not p.is_meta
+            }  # parameters kept out of the chunks (cpu_embedding)
+            release_storage(
+                p for p in originals if p.is_meta or p.untyped_storage().data_ptr() not in kept
+            )
 
     def _fill_weights(self) -> None:
         """Once, for a model built on the meta device: its parameters are views of their chunk
@@ -351,7 +363,8 @@ class Engine(nn.Module):
         follow."""
         if self._weights is None or self._weights_line is not None or self.chunks is None:
             return
-        self._weights_line = placement.fill(self.model, self._weights, self._unfilled_buffers)
+        self._weights_line = placement.fill(self.model, self._weights, self._unfilled_buffers,
+                                            sharded=self.chunks.sharded)  # fmt: skip
         self.chunks.masters_written()
         if self.traced is not self.model:  # the low-precision copy's buffers, from the model's
             own = dict(self.model.named_buffers())
@@ -371,7 +384,8 @@ class Engine(nn.Module):
         groups = None
         if layout.ranks > 1:
             groups = ChunkGroups(layout.ranks, self.shared[DP_GROUP],
-                                 mem_saving=self.plan.mem_saving_comm)  # fmt: skip
+                                 mem_saving=self.plan.mem_saving_comm,
+                                 sharded=sharded_payloads(self.plan))  # fmt: skip
         return ChunkManager.from_plan(
             program.decisions.chunk_plan, tensors, masters=masters,
             monitor=self.plan.async_mem_monitor,
@@ -387,6 +401,9 @@ class Engine(nn.Module):
         if observation is None:
             return
         compiled, observed = observation
+        if self.chunks.sharded:  # every rank refines alike: its loads are collective
+            measured = self.chunks.data_parallel.agree_measured(observed.nonmodel_bytes)
+            observed = dataclasses.replace(observed, nonmodel_bytes=measured)
         for program in self.programs.values():
             if program.decisions.chunk_plan is compiled:
                 program.decisions.chunk_plan = compiled.refined(observed)
@@ -568,7 +585,11 @@ class Engine(nn.Module):
     def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The model's keys, shapes and dtypes, whatever passes (or bf16/fp16, whose traced
         copy holds low-precision buffers) did to the tensors."""
-        state = self.store.state_dict()
+        full = None
+        if self.chunks is not None and self.chunks.sharded:  # other ranks' chunks: collective
+            full = self.chunks.data_parallel.full_parameters(self.chunks)
+        # remote chunks' values filled in before tensor-parallel shards are glued (2-D mesh)
+        state = self.store.state_dict(full)
         own = {k: v.dtype for k, v in self.model.state_dict().items()}
         return {prefix + k: v.to(own.get(k, v.dtype)) for k, v in state.items()}
 

@@ -22,7 +22,14 @@ import torch.distributed as dist
 
 from fxstar.errors import PlanError
 
-__all__ = ["DP_GROUP", "MESH_GROUP", "MeshLayout", "data_parallel_size", "mesh_layout"]
+__all__ = [
+    "DP_GROUP",
+    "MESH_GROUP",
+    "MeshLayout",
+    "data_parallel_size",
+    "mesh_layout",
+    "sharded_payloads",
+]
 
 DP_GROUP = "data_parallel_group"  # Program.shared key: the engine's data-parallel group
 MESH_GROUP = "mesh_group"  # Program.shared key: every rank of a 2-D mesh (checkpoint saves)
@@ -102,3 +109,19 @@ def data_parallel_size(plan: Any) -> int:
             "train a model of its own in each process"
         )
     return layout.dp
+
+
+def sharded_payloads(plan: Any) -> bool:
+    """Whether the data-parallel ranks shard the chunks' payloads (plan.data_parallel_shard):
+    'auto' does with Adam/AdamW, whose HybridAdam steps each rank's own chunks; a torch
+    optimizer steps every parameter, so it needs them all on every rank."""
+    shard, optimizer = plan.data_parallel_shard, plan.optimizer.type
+    if shard == "auto":
+        return optimizer in ("adam", "adamw")
+    if shard == "params" and optimizer not in ("adam", "adamw"):
+        raise PlanError(
+            f"data_parallel_shard='params' with optimizer.type {optimizer!r}: a torch optimizer "
+            "steps every parameter, so every rank needs them all; use 'adam' or 'adamw' "
+            "(HybridAdam steps each rank's own chunks) or data_parallel_shard='optimizer'"
+        )
+    return shard == "params"

@@ -24,6 +24,7 @@ from torch import nn
 
 from fxstar.capture import is_meta
 from fxstar.errors import FxstarError, UsageError
+from fxstar.mesh import sharded_payloads
 from fxstar.plan import resolve_device
 from fxstar.runtime.layout import ChunkPlan
 from fxstar.sizes import format_size
@@ -76,6 +77,7 @@ def host_need(plan: Any, chunk_plan: ChunkPlan) -> tuple[int, int]:
         masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
         moments=plan.optimizer.type in ("adam", "adamw"),
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
+        sharded=layout.ranks > 1 and sharded_payloads(plan),  # and its own homes only
     )  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     return need, arena
@@ -178,9 +180,12 @@ def give_buffers_storage(model: nn.Module, device: torch.device | str | None = N
     return named
 
 
-def fill(model: nn.Module, weights: Weights, buffers: list[str]) -> str:
+def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: bool = False
+         ) -> str:  # fmt: skip
     """Give the model's parameters (views of their chunk homes by now) and the `buffers` that
-    had no values their values from `weights`; returns a line for the report."""
+    had no values their values from `weights`; returns a line for the report. `sharded`
+    (data parallel, sharded payloads): the parameters still on the meta device are other
+    ranks' chunks, which their owners fill."""
     if callable(weights):
         # as a constructor does: every module's own reset first, then the model's init (one
         # that touches some modules only must not leave the others' homes zero)
@@ -196,8 +201,10 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str]) -> str:
     persistent = set(model.state_dict(keep_vars=True))
     buffers_read = {n: b for n, b in model.named_buffers() if n in persistent}
     with WeightSource(weights) as source:  # named_parameters: one name per tied parameter
-        report = materialize({**dict(model.named_parameters()), **buffers_read}, source,
-                             aliases=tied_names(model))  # fmt: skip
+        params = dict(model.named_parameters())
+        elsewhere = {n for n, p in params.items() if p.is_meta} if sharded else set()
+        report = materialize({**params, **buffers_read}, source, aliases=tied_names(model),
+                             elsewhere=elsewhere)  # fmt: skip
     unfilled = [name for name in buffers if name not in persistent]
     if unfilled:
         _compute_buffers(model, unfilled)

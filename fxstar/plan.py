@@ -628,7 +628,12 @@ class Plan:
     )  # fmt: skip
     release_after_init: bool = _option(
         False, check=_boolean, feature=_CHUNKS,
-        doc="Free the model's original parameter tensors once they are copied into chunks.",
+        doc="One process: once the chunk homes hold the values, free the storage of the "
+        "model's original parameter tensors, even where the caller still holds them (the "
+        "host never holds the model twice). False (what the engine always did): the model's "
+        "parameters become the engine's all the same, and the originals are left intact and "
+        "untouched by training. A meta-built model goes straight into its chunk homes either "
+        "way. Not built yet under data parallelism (its rank-aware meaning).",
     )  # fmt: skip
     fake_dist: bool = _option(
         False, check=_boolean, feature=_DIST,
@@ -646,6 +651,14 @@ class Plan:
         doc="Under torch.distributed, train the ranks tensor parallelism leaves as data-parallel "
         "replicas of one model (chunk groups, each chunk's optimizer state on one rank); False: "
         "each process trains a model of its own.",
+    )  # fmt: skip
+    data_parallel_shard: str = _option(
+        "auto", check=_choice("auto", "params", "optimizer"), feature="the distributed runtime",
+        doc="What data-parallel ranks divide among them: 'params' (PatrickStar's chunk groups, "
+        "ZeRO-3: a rank keeps the host homes of its own chunks only and fetches the others "
+        "from their owners when the plan needs them, gradients reduced to the owners during "
+        "backward), 'optimizer' (every rank holds every payload, each steps its own chunks: "
+        "ZeRO-Offload); 'auto' = 'params' with Adam/AdamW (HybridAdam), else 'optimizer'.",
     )  # fmt: skip
     dist_timeout: float = _option(
         300.0, check=_real(0, MAX_DIST_TIMEOUT, lo_open=True), feature="the distributed runtime",

@@ -27,7 +27,7 @@ import sys
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -472,6 +472,7 @@ def materialize(
     aliases: Mapping[str, Sequence[str]] | None = None,
     strict: bool = True,
     progress: bool | None = None,
+    elsewhere: Collection[str] = (),
 ) -> ReadReport:
     """Read each destination's tensor from `source` into it, one tensor at a time.
 
@@ -480,14 +481,16 @@ def materialize(
     and the aliases the files record. Every name and shape is checked before anything is read:
     missing tensors (with the closest names in the files), misshapen ones and, when `strict`,
     tensors of the files that no destination wants are one WeightsError; with `strict=False`
-    the unexpected ones are a warning and listed in the report. Destinations that are one
+    the unexpected ones are a warning and listed in the report. Destinations named in
+    `elsewhere` are read by another process (data parallel, sharded payloads): their shapes
+    are checked, nothing is read into them. Destinations that are one
     tensor under several names are read once. `progress`: a tqdm bar on stderr; None shows one
     on a terminal for loads of PROGRESS_BYTES or more.
     """
     owned = not isinstance(source, WeightSource)
     src = WeightSource(source) if owned else source
     try:
-        return _materialize(destinations, src, aliases or {}, strict, progress)
+        return _materialize(destinations, src, aliases or {}, strict, progress, elsewhere)
     finally:
         if owned:
             src.close()
@@ -499,6 +502,7 @@ def _materialize(
     aliases: Mapping[str, Sequence[str]],
     strict: bool,
     progress: bool | None,
+    elsewhere: Collection[str] = (),
 ) -> ReadReport:
     pairs = [(a, b) for a, others in aliases.items() for b in others]
     pairs += list(src.aliases().items())
@@ -511,6 +515,11 @@ def _materialize(
         stored = name if name in src else next((n for n in sorted(names) if n in src), None)
         if stored is None:
             missing.append(name)
+            continue
+        if name in elsewhere:
+            if tuple(src.shape(stored)) != tuple(out.shape):
+                problems.append(f"{stored!r}: shape {tuple(src.shape(stored))} in the files, "
+                                f"{tuple(out.shape)} in the model")  # fmt: skip
             continue
         try:
             src.check(stored, out)

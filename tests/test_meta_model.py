@@ -231,3 +231,15 @@ def test_a_frozen_part_and_batchnorm_from_safetensors_train_like_the_host_model(
           reference)  # fmt: skip
     assert not meta.stem.weight.requires_grad  # still frozen
     assert "bn.running_mean" in reference[2] and "bn.num_batches_tracked" in reference[2]
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"verify": True}, {"tiled_linear": {"in_splits": 2}}, {"tensor_parallel": {"size": 2}}],
+)
+def test_features_not_built_for_meta_models_are_refused_by_name(option):
+    """Each refusal names the option and the remedy (build the model on the host)."""
+    (name,) = option
+    plan = fxstar.Plan(device_memory="auto", **option)
+    with pytest.raises(UsageError, match=rf"plan\.{name}: not supported yet.*on the host"):
+        fxstar.compile(_on_meta(tiny_gpt), plan, tokens(), weights="init")

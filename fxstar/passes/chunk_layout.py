@@ -54,7 +54,9 @@ def check_chunk_options(plan) -> None:
     """An option of the chunk engine without device_memory would do nothing: say so."""
     if uses_chunks(plan):
         return
-    used = [name for name in plan.used_options() if name in CHUNK_OPTIONS]
+    # release_after_init too: the engine implements it, on the chunk homes
+    used = [name for name in plan.used_options()
+            if name in (*CHUNK_OPTIONS, "release_after_init")]  # fmt: skip
     if used:
         raise ChunkLayoutError(
             f"{', '.join(used)}: configure{'s' if len(used) == 1 else ''} the chunk engine, "

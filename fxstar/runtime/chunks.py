@@ -24,6 +24,7 @@ runtime/grad_copies.py) and `reservations` (HybridAdam's device half: runtime/re
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -35,6 +36,7 @@ from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.grad_copies import GradAccumulator
+from fxstar.runtime.grad_shards import GradShards
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import (
     AccessPlan,
@@ -118,13 +120,17 @@ class ChunkManager:
         self.homes: dict[str, torch.Tensor] = {}  # what each stable parameter is a view of
         # bf16/fp16: a chunk's gradient takes the room of its host payload (PatrickStar)
         self.grads_in_host = self.low_precision and grads_in_host
+        self.sharded = data_parallel is not None and data_parallel.sharded
         self.chunks, self.stable = self._make_homes(params, masters or params, pin)
+        if self.sharded:  # the owners take rank 0's values
+            data_parallel.start_sharded(self, masters or params)
+            self.masters_written()
         blocks = ReservedBlocks(self.arena)  # arena blocks beside the chunks (fix())
         self.residency = Residency(
             layout, self.chunks, self.stable, arena=self.arena, reserved=blocks,
             stats=self.stats, tracer=self.tracer, budget=budget, static_share=static_share,
             mem_cache=mem_cache, prefetch=pin if prefetch is None else prefetch,
-            copy_stream=copy_stream,
+            copy_stream=copy_stream, owners=data_parallel if self.sharded else None,
         )  # fmt: skip
         # Gradient copies run beside backward: on the copy stream on CUDA; on a CPU-only
         # machine (where the copy is a memcpy into the host buffer) on a worker thread, off by
@@ -134,6 +140,9 @@ class ChunkManager:
             low_precision=self.low_precision,
             overlap=pin if overlap_grad_copies is None else overlap_grad_copies,
         )
+        if self.sharded:  # gradients to their owners during backward
+            take = functools.partial(self.grads.take, at_once=True)
+            self.grads.shards = GradShards(data_parallel, self.chunks, layout, take)
         self.saved = SavedTensors(self.residency)
         self.reservations = Reservations(self.residency, blocks, self.grads, self.homes)
         self.monitor = MemoryMonitor(_weak_call(self._sample)).start() if monitor else None
@@ -182,29 +191,39 @@ class ChunkManager:
         the meta device (a model built without storage) leaves its home zeroed: the engine
         writes the weights in afterwards, then calls `masters_written`.
         On the host a chunk takes what its parameters reach (aligned), not its padding: only
-        `used` elements ever move, and a layout's padding is often a fifth of the chunks."""
+        `used` elements ever move, and a layout's padding is often a fifth of the chunks.
+        With sharded payloads a chunk another rank owns has no host home: its parameters here
+        are meta tensors of their shapes (FSDP's sharded parameters), its values the owner's."""
         lay = self.layout
-        parts = host_parts(lay.dtype, [spec.used for spec in lay.chunks])
+        remote = {spec.id for spec in lay.chunks if self.sharded and not self.owns(spec.id)}
+        parts = host_parts(lay.dtype, [0 if spec.id in remote else spec.used
+                                       for spec in lay.chunks])  # fmt: skip
         size = parts[-1].stop if parts else 0
         host = host_empty(size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
         master = None
         if self.low_precision:
             master = host_empty(size * 4, zero=True).view(torch.float32)
-        trainable = [c.id for c in lay.chunks if c.trainable]
+        trainable = [c.id for c in lay.chunks if c.trainable and c.id not in remote]
         if self.grads_in_host:
             grad_of = {c.id: host[part] for c, part in zip(lay.chunks, parts, strict=True)
-                       if c.trainable}  # fmt: skip
+                       if c.id in trainable}  # fmt: skip
         else:
             grad_of = self._grad_buffers(trainable, pin)
         chunks, stable = [], {}
         for spec, part in zip(lay.chunks, parts, strict=True):
+            far = spec.id in remote
             chunk = Chunk(spec.id, spec.params, host[part], grad_of.get(spec.id), spec.used,
-                          master[part] if master is not None else None,
-                          grads_in_host=self.grads_in_host and spec.trainable)  # fmt: skip
+                          master[part] if master is not None and not far else None,
+                          grads_in_host=self.grads_in_host and spec.trainable,
+                          remote=far)  # fmt: skip
             home = chunk.master if chunk.master is not None else chunk.host
             for slot in spec.params:
-                view = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                if not masters[slot.name].is_meta:
+                if far:
+                    view = torch.empty(slot.shape, dtype=home.dtype if master is None
+                                       else torch.float32, device="meta")  # fmt: skip
+                else:
+                    view = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if not far and not masters[slot.name].is_meta:
                     with torch.no_grad():
                         view.copy_(masters[slot.name])
                 stable[slot.name] = nn.Parameter(view, requires_grad=slot.requires_grad)
@@ -370,6 +389,8 @@ class ChunkManager:
             if grad and slot.requires_grad:
                 view.requires_grad_(True)
                 view.register_post_accumulate_grad_hook(self.grads.hook(slot))
+                if self.grads.shards is not None:  # its unit waits for this gradient
+                    self.grads.shards.expect(chunk_id)
             for alias in slot.aliases:
                 views[alias] = view
         return views

@@ -44,8 +44,12 @@ __all__ = ["ChunkGroups"]
 class ChunkGroups:
     """Which chunks this rank owns, and the collectives that keep the replicas one model."""
 
-    def __init__(self, size: int, group: comm.TPGroup, *, mem_saving: bool = False):
+    def __init__(
+        self, size: int, group: comm.TPGroup, *, mem_saving: bool = False, sharded: bool = False
+    ):
         self.group = group
+        # ZeRO-3: a rank holds its own chunks' homes only; the others come from their owner
+        self.sharded = sharded
         self.pg = comm.process_group(group)
         self.size = size
         self.rank = dist.get_rank(self.pg)
@@ -57,6 +61,8 @@ class ChunkGroups:
         self.mem_saving = mem_saving
         self.peak_buffer_bytes = 0  # the largest communication buffer a collective used
         self.bytes_sent = 0  # bytes of the input tensors this rank handed to collectives
+        self.bytes_fetched = 0  # sharded: payload bytes that came from their owner
+        self.peak_staging_bytes = 0  # sharded: the most gradient staging held at once
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.size
@@ -69,12 +75,20 @@ class ChunkGroups:
         return [list(chunks[i : i + self.size]) for i in range(0, len(chunks), self.size)]
 
     def describe(self) -> str:
-        way = ("N reduces and N broadcasts in place" if self.mem_saving
-               else "reduce-scatter and all-gather over a group buffer")  # fmt: skip
+        if self.sharded:
+            way = ("payloads sharded: a chunk fetched from its owner by a broadcast into the "
+                   "arena, gradients reduced to it during backward "
+                   + ("chunk by chunk" if self.mem_saving else "group by group"))  # fmt: skip
+        else:
+            way = ("N reduces and N broadcasts in place" if self.mem_saving
+                   else "reduce-scatter and all-gather over a group buffer")  # fmt: skip
+        fetched = (f", {self.bytes_fetched:,} fetched from owners, gradient staging peak "
+                   f"{self.peak_staging_bytes:,} bytes" if self.sharded else "")  # fmt: skip
         return (
             f"data parallel: rank {self.rank} of {self.size}, owns every chunk i with "
             f"i mod {self.size} == {self.rank} ({way}); largest communication buffer "
-            f"{self.peak_buffer_bytes:,} bytes, {self.bytes_sent:,} bytes through collectives"
+            f"{self.peak_buffer_bytes:,} bytes, {self.bytes_sent:,} bytes through "
+            f"collectives{fetched}"
         )
 
     # -- collectives, each named in errors --------------------------------------------------------
@@ -82,12 +96,41 @@ class ChunkGroups:
     def _guard(self, what: str):
         return comm.guard(f"{what} (data parallel)", self.group)
 
-    def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """The group's one communication buffer (its pool's, reused every step). Not zeroed:
-        a chunk's padding there is summed or gathered but never read back."""
-        buffer = self.group.buffers.get("data_parallel", (numel,), like)
+    def _buffer(self, numel: int, like: torch.Tensor, purpose: str = "data_parallel"
+                ) -> torch.Tensor:  # fmt: skip
+        """The group's communication buffer for `purpose` (its pool's, reused every step).
+        Not zeroed: a chunk's padding there is summed or gathered but never read back."""
+        buffer = self.group.buffers.get(purpose, (numel,), like)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, buffer.nbytes)
         return buffer
+
+    def fetch(self, chunk_id: int, payload: torch.Tensor) -> None:
+        """Sharded: the owner's payload of a chunk (already copied there on the owner) into
+        every rank's arena block, in place. Every rank fetches the same chunk at the same
+        access: they follow one plan with one budget (Residency decides alike)."""
+        owner = self.owner(chunk_id)
+        with self._guard(f"fetching chunk {chunk_id} from rank {owner}"):
+            dist.broadcast(payload, group=self.pg, group_src=owner)
+        if owner == self.rank:
+            self.bytes_sent += payload.nbytes
+        else:
+            self.bytes_fetched += payload.nbytes
+
+    def reduce_unit(self, staged: torch.Tensor, owners: list[int], chunk_size: int
+                    ) -> torch.Tensor | None:  # fmt: skip
+        """Sharded: a unit's gradients staged back to back (`chunk_size` each, the chunks
+        owned by `owners`: a whole group in rank order, or one chunk with mem_saving) summed
+        on their owners; this rank's sum, or None when it owns none of them."""
+        if len(owners) == 1:
+            with self._guard("reducing a chunk's gradient to its owner"):
+                dist.reduce(staged, group=self.pg, group_dst=owners[0])
+            self.bytes_sent += staged.nbytes
+            return staged if owners[0] == self.rank else None
+        out = self._buffer(chunk_size, staged, "data_parallel_out")
+        with self._guard("reduce-scattering gradients to their owners"):
+            comm._reduce_scatter_single(out, staged, group=self.pg)
+        self.bytes_sent += staged.nbytes
+        return out
 
     def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
         """Element-wise max over the ranks (a flag set on any rank is set on all)."""
@@ -220,8 +263,84 @@ class ChunkGroups:
                 chunk.sync_host(manager.stable)
                 manager.host_updated(chunk.id)
 
+    def start_sharded(self, manager: ChunkManager, masters: dict[str, torch.Tensor]) -> None:
+        """Sharded payloads, as the homes are made: each owner takes rank 0's values of its
+        chunks (rank 0 sends them from its model, chunk by chunk), so the replicas start as
+        rank 0's model, as DDP's do. A meta model's chunks are filled by their owners (from
+        the same weights on every rank)."""
+        with self._guard("sending rank 0's initial parameters to their owners"):
+            for chunk in manager.chunks:
+                owner = self.owner(chunk.id)
+                if owner == 0 or not chunk.used or any(masters[s.name].is_meta
+                                                       for s in chunk.slots):  # fmt: skip
+                    continue
+                if self.rank == 0:
+                    values = torch.zeros(chunk.used, dtype=masters[chunk.slots[0].name].dtype)
+                    for slot in chunk.slots:
+                        span = slice(slot.offset, slot.offset + slot.numel)
+                        values[span].copy_(masters[slot.name].reshape(-1))
+                    dist.send(values, group=self.pg, group_dst=owner)
+                    self.bytes_sent += values.nbytes
+                elif self.rank == owner:
+                    dist.recv(manager.fp32_home(chunk), group=self.pg, group_src=0)
+
+    def full_parameters(self, manager: ChunkManager) -> dict[str, torch.Tensor]:
+        """Sharded: every chunk's fp32 parameters under each of their names, on every rank
+        (each owner broadcasts its chunks one by one; collective, as a tensor-parallel
+        state_dict is). A rank's own are views of its homes; the others' are fresh."""
+        full: dict[str, torch.Tensor] = {}
+        with self._guard("gathering the parameters from their owners"):
+            for chunk in manager.chunks:
+                if not chunk.used:
+                    continue
+                if chunk.remote:
+                    dtype = torch.float32 if manager.low_precision else manager.layout.dtype
+                    values = torch.empty(chunk.used, dtype=dtype)
+                else:
+                    values = manager.fp32_home(chunk)
+                dist.broadcast(values, group=self.pg, group_src=self.owner(chunk.id))
+                for slot in chunk.slots:
+                    view = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    for name in (slot.name, *slot.aliases):
+                        full[name] = view
+        return full
+
+    def agree_measured(self, measured: Sequence[int]) -> tuple[int, ...]:
+        """Sharded: the bytes besides chunks a traced step measured at each access, the most
+        of any rank, so every rank refines its plan alike (a load is collective: the ranks
+        must evict and fetch at the same accesses)."""
+        values = torch.tensor(list(measured), dtype=torch.int64)
+        count = torch.tensor([len(measured), -len(measured)], dtype=torch.int64)
+        with self._guard("agreeing the measured step"):
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.pg)
+            if int(count[0]) != -int(count[1]):
+                raise RuntimeError(
+                    "data parallel: the ranks traced steps of different lengths "
+                    f"({-int(count[1])} to {int(count[0])} accesses); they must run one graph"
+                )
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
+        return tuple(int(v) for v in values)
+
+    def gradients_reduced(self, manager: ChunkManager) -> None:
+        """Sharded, before the update: what backward staged is with its owners (a backward
+        whose end-of-graph callback did not run leaves units staged: reduced here, alike)."""
+        manager.grads.wait()
+        shards = manager.grads.shards
+        if shards.staged:
+            shards.flush()
+
+    def updated(self, manager: ChunkManager) -> None:
+        """Sharded, after the update: every trainable chunk counts as changed on every rank
+        (the owners stepped theirs), so every rank drops its copy at the same access and
+        fetches the new values from the owner."""
+        for spec in manager.layout.chunks:
+            if spec.trainable:
+                manager.host_updated(spec.id)
+
     def start_alike(self, manager: ChunkManager) -> None:
         """After the homes were filled: every replica starts as rank 0's."""
+        if self.sharded:  # start_sharded did it as the homes were made
+            return
         homes = [manager.fp32_home(c) for c in manager.chunks if c.used]
         self.broadcast(homes, "the initial parameters")
         manager.masters_written()

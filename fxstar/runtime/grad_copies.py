@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fxstar.errors import FxstarError
+from fxstar.runtime.grad_shards import GradShards
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.residency import Residency
 from fxstar.runtime.tier_copy import copy_payload
@@ -52,6 +53,9 @@ class GradAccumulator:
         # slots whose gradient the optimizer step overwrote with parameters (bf16/fp16, the
         # gradient in its payload's room): gone until zero_grad, never read as if it were there
         self.consumed: set[str] = set()
+        # data parallel with sharded payloads: gradients staged and reduced to their owners,
+        # which take them through `take` (runtime/grad_shards.py); None otherwise
+        self.shards: GradShards | None = None
         self._pending: list[PendingCopy] = []
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._wait_queued = False
@@ -106,6 +110,8 @@ class GradAccumulator:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait()  # a copy in flight would land after the zeroing
+        if self.shards is not None:  # what a backward that raised left staged
+            self.shards.discard()
         for chunk in self.residency.chunks:
             chunk.restore_params()  # a gradient no step consumed gives its room back
         self.present.clear()
@@ -134,6 +140,14 @@ class GradAccumulator:
         return hook
 
     def add(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if self.shards is not None:  # to the owner first, which then takes its average
+            self.shards.add(slot, grad)
+        else:
+            self.take(slot, grad)
+
+    def take(self, slot: ParamSlot, grad: torch.Tensor, *, at_once: bool = False) -> None:
+        """Add `grad` into the slot's buffer (the first one of a step is copied there; with
+        `at_once`, never beside backward: the caller reuses `grad`'s memory)."""
         stable = self.stable[slot.name]
         if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
             self._check_not_consumed(slot, "accumulate into")
@@ -145,11 +159,11 @@ class GradAccumulator:
                 buffer = self.grad_view(slot)
                 buffer.add_(grad.to(buffer.device))
             else:
-                self._copy(self.grad_view(slot), grad)
+                self._copy(self.grad_view(slot), grad, at_once)
                 self.present.add(slot.name)
         elif stable.grad is None:
             buffer = self.grad_view(slot)
-            self._copy(buffer, grad)  # a copy: bitwise what eager stores
+            self._copy(buffer, grad, at_once)  # a copy: bitwise what eager stores
             stable.grad = buffer
         else:
             self.wait()
@@ -157,10 +171,10 @@ class GradAccumulator:
 
     # -- the copies and their overlap -----------------------------------------------------------
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, at_once: bool = False) -> None:
         """A gradient into its buffer: at once, or beside the rest of backward (overlap)."""
         stats = self.residency.stats
-        if not self.overlap or dst.device == src.device != torch.device("cpu"):
+        if at_once or not self.overlap or dst.device == src.device != torch.device("cpu"):
             start = time.perf_counter()
             self.residency.copy(dst, src, to_host=True)
             stats.grad_copy_seconds += time.perf_counter() - start

@@ -98,13 +98,16 @@ class ChunkLayout:
     def wasted_bytes(self) -> int:
         return len(self.chunks) * self.chunk_bytes - self.param_bytes
 
-    def host_bytes(self, *, masters: bool, own_grads: bool, moments: bool, rank: int = 0) -> int:
+    def host_bytes(self, *, masters: bool, own_grads: bool, moments: bool, rank: int = 0,
+                   sharded: bool = False) -> int:  # fmt: skip
         """What the chunk engine allocates on the host for this layout: every chunk's payload
         (packed, see host_parts), fp32 masters (bf16/fp16), gradient buffers of their own
         (fp32; bf16/fp16 with grads_in_host=False) and two fp32 Adam moments per trainable
-        element of the chunks rank `rank` owns (all of them without data parallelism)."""
-        every = host_elements(self.dtype, [c.used for c in self.chunks])
-        trainable = [c.used for c in self.chunks if c.trainable]
+        element of the chunks rank `rank` owns (all of them without data parallelism).
+        `sharded` (data parallel, sharded payloads): the homes of its own chunks only."""
+        homes = [c for c in self.chunks if not sharded or self.owner(c.id) == rank]
+        every = host_elements(self.dtype, [c.used for c in homes])
+        trainable = [c.used for c in homes if c.trainable]
         total = every * self.dtype.itemsize + (every * 4 if masters else 0)
         if own_grads:
             total += host_elements(self.dtype, trainable) * self.dtype.itemsize

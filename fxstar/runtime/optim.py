@@ -206,10 +206,18 @@ class HybridAdam(torch.optim.Optimizer):
                 closure()
         groups = self.manager.data_parallel
         if groups is not None:  # each owner gets its chunks' averaged gradients
-            groups.reduce_to_owners(self.manager)
+            if groups.sharded:  # reduced during backward
+                groups.gradients_reduced(self.manager)
+            else:
+                groups.reduce_to_owners(self.manager)
             groups.average(self._loose_grads())
         if self.hybrid and not self._placed:  # the traced forward and backward measured it
-            self._place()
+            if groups is not None and groups.sharded:
+                # a kept chunk would be resident on its owner only, and every load of a
+                # sharded chunk is collective: the device half waits for a group-wide rule
+                self._placed = True
+            else:
+                self._place()
         self._host_moments()
         runs = self._runs()
         # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
@@ -276,7 +284,9 @@ class HybridAdam(torch.optim.Optimizer):
                 self.manager.compute_updated(chunk_id)
             else:
                 self.manager.host_updated(chunk_id)
-        if groups is not None:  # the owners' updates to every replica
+        if groups is not None and groups.sharded:  # fetched from the owners from now on
+            groups.updated(self.manager)
+        elif groups is not None:  # the owners' updates to every replica
             groups.share_updates(self.manager)
         return True
 

@@ -31,6 +31,7 @@ from fxstar.runtime.tracer import MemoryTracer
 if TYPE_CHECKING:
     from torch import nn
 
+    from fxstar.runtime.data_parallel import ChunkGroups
     from fxstar.runtime.reservations import ReservedBlocks
 
 
@@ -81,6 +82,9 @@ class Chunk:
     # gradient now. Their parameters are the rounded masters, which restore them.
     grads_in_host: bool = False
     grad_slots: set[str] = field(default_factory=set)
+    # data parallel with sharded payloads: another rank owns it, this one has no host home
+    # (`host` is empty) and gets its payload from the owner at each load
+    remote: bool = False
 
     def move(self, new: ChunkState) -> None:
         if new not in LEGAL[self.state]:
@@ -142,6 +146,7 @@ class Residency:
         mem_cache: int,
         prefetch: bool,
         copy_stream: torch.cuda.Stream | None,
+        owners: ChunkGroups | None = None,
     ):
         self.layout = layout
         self.device = arena.device
@@ -157,6 +162,9 @@ class Residency:
         self.cache_capacity = mem_cache
         self.prefetch = prefetch
         self.copy_stream = copy_stream
+        # sharded payloads: every load is a broadcast from the chunk's owner (each rank makes
+        # the same choices, following one plan under one budget)
+        self.owners = owners
         self.checking = False  # verify the residency invariants after every access (tests)
         self.cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
         self.plan: AccessPlan | None = None
@@ -331,9 +339,14 @@ class Residency:
         versions = self.versions(chunk)  # first: it may refresh the host copy from masters
         chunk.offset = offset
         payload = self.view(chunk, 0, (chunk.used,))
-        self.copy(payload, chunk.host[: chunk.used], to_host=False)
-        if chunk.grad_slots:  # their host room holds gradients: the parameters from masters
-            chunk.round_into(payload, chunk.slots_holding_grads())
+        if not chunk.remote:
+            self.copy(payload, chunk.host[: chunk.used], to_host=False)
+            if chunk.grad_slots:  # their host room holds gradients: parameters from masters
+                chunk.round_into(payload, chunk.slots_holding_grads())
+        if self.owners is not None and chunk.used:
+            self.owners.fetch(chunk.id, payload)
+            if chunk.remote:
+                self.step_bytes += payload.nbytes
         chunk.loaded_versions = versions
         chunk.move(state)
         self.stats.loads += 1

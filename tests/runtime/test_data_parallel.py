@@ -69,6 +69,15 @@ CASES = {
         "gpt",
         0.0,
     ),
+    "fp32 replicated": (  # every rank holds every payload, steps its own chunks
+        {
+            **CHUNKS,
+            "data_parallel_shard": "optimizer",
+            "optimizer": {"type": "adamw", "lr": 1e-2, "clip_grad_norm": 0.5},
+        },
+        "gpt",
+        0.0,
+    ),  # fmt: skip
     "fp32 mem_saving_comm": (
         {**CHUNKS, "mem_saving_comm": True, "optimizer": {"lr": 1e-2}},
         "gpt",
@@ -87,6 +96,7 @@ CASES = {
             "chunk_size": 4096,
             "device_memory": "8MiB",
             "optimizer": {"lr": 1e-2, "clip_grad_norm": 0.5},
+            "data_parallel_shard": "optimizer",  # the device half keeps replicated payloads
         },
         "gpt",
         0.0,
@@ -140,7 +150,8 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         loss.backward()
         engine.step()
         losses.append(loss.item())
-    state = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    names = dict(model.named_parameters())  # sharded: other ranks' chunks are meta here
+    state = {n: p.detach().float().clone() for n, p in engine.state_dict().items() if n in names}
     groups = engine.chunks.data_parallel
     info = {
         "chunks": len(engine.chunks.layout.chunks),
@@ -148,6 +159,13 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         "ranks": engine.chunks.layout.ranks,
         "report": engine.report(),
         "peak_buffer": groups.peak_buffer_bytes if groups is not None else 0,
+        "staging": groups.peak_staging_bytes if groups is not None else 0,
+        "chunk_bytes": engine.chunks.layout.chunk_bytes,
+        "host_bytes": sum(
+            c.host.nbytes + (c.master.nbytes if c.master is not None else 0)
+            for c in engine.chunks.chunks
+        ),
+        "remote": sum(c.remote for c in engine.chunks.chunks),
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
         "host_embeddings": list(getattr(engine.program.decisions.cpu_embedding, "host", [])),
         "moments": sum(
@@ -210,9 +228,19 @@ def check_cases(world: int, names: list[str]) -> list[dict]:
 
 def run_world(world: int) -> None:
     results = check_cases(world, list(CASES))
-    serial_moments = train("fp32", 0, world, serial=True)["info"]["moments"]
+    serial = train("fp32", 0, world, serial=True)["info"]
     moments = [r["fp32"]["info"]["moments"] for r in results]
-    assert sum(moments) == serial_moments and max(moments) < serial_moments  # sharded state
+    assert sum(moments) == serial["moments"] and max(moments) < serial["moments"]  # sharded
+    chunk = serial["chunk_bytes"]
+    for r in results:  # payloads sharded: a rank's homes are its own chunks (and alignment)
+        info = r["fp32"]["info"]
+        assert info["host_bytes"] <= serial["host_bytes"] / world + chunk
+        assert info["remote"] == info["chunks"] - info["chunks"] // world
+        # gradients reduced during backward: at most two groups staged, not the model
+        assert 0 < info["staging"] <= 2 * world * chunk < serial["host_bytes"]
+        assert 0 < r["fp32 mem_saving_comm"]["info"]["staging"] <= 2 * chunk
+        assert r["fp32 replicated"]["info"]["host_bytes"] == serial["host_bytes"]
+        assert r["fp32 replicated"]["info"]["remote"] == 0
     assert results[0]["fp32 mem_saving_comm"]["info"]["peak_buffer"] == 0
     assert results[0]["fp32"]["info"]["peak_buffer"] > 0
     assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
@@ -235,7 +263,9 @@ def test_transformers_and_activation_passes_at_world_2_match_the_serial_run():
 
 
 def _stops_mid_step(rank: int, world: int) -> dict:
-    """Rank 1 raises between its backward and its step; rank 0 goes on into the step."""
+    """Rank 1 raises between its backward and its step; rank 0 goes on into the step and the
+    next forward (with sharded payloads the step has no collective without clipping: the
+    next fetch from an owner is the first to miss rank 1)."""
     plan = Plan(chunk_size=4096, device_memory="auto", dist_timeout=20)
     model = gpt()
     (ids, targets), *_ = batches(world)
@@ -249,6 +279,7 @@ def _stops_mid_step(rank: int, world: int) -> dict:
     start = time.perf_counter()
     try:
         engine.step()
+        engine(ids[:PER_RANK], targets[:PER_RANK])
     except CollectiveError as error:
         return {"error": str(error), "seconds": time.perf_counter() - start}
     return {"error": None}
@@ -368,6 +399,48 @@ def test_fake_dist_gives_each_rank_its_part_of_the_budget():
                        example_inputs=batches(1)[0])  # fmt: skip
 
 
+# -- a meta model, its weights read by their owners ---------------------------------------------
+
+
+def _meta_from_file(rank: int, world: int, directory: str) -> dict:
+    """The same GPT trained 2 steps at world 2, built on the host and built on the meta device
+    with its weights read from `directory` (each owner reads its own chunks' tensors)."""
+    ids, targets = batches(world)[0]
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    out = {}
+    for kind in ("host", "meta"):
+        plan = Plan.from_dict({**CHUNKS, "optimizer": {"lr": 1e-2}})
+        if kind == "host":
+            engine = fxstar.compile(gpt(), plan, example_inputs=(ids[rows], targets[rows]))
+        else:
+            with torch.device("meta"):
+                model = gpt()
+            engine = fxstar.compile(model, plan, example_inputs=(ids[rows], targets[rows]),
+                                    weights=directory)  # fmt: skip
+            out["weights"] = engine._weights_line
+        losses = []
+        for ids_, targets_ in batches(world)[:2]:
+            loss = engine(ids_[rows], targets_[rows])
+            loss.backward()
+            engine.step()
+            losses.append(loss.item())
+        out[kind] = (losses, {n: t.clone() for n, t in engine.state_dict().items()})
+    return out
+
+
+def test_a_meta_model_reads_only_its_own_chunks_and_trains_like_the_host_model(tmp_path):
+    from safetensors.torch import save_model
+
+    save_model(gpt(), str(tmp_path / "model.safetensors"))
+    for rank in spawn(_meta_from_file, 2, str(tmp_path)):
+        (host_losses, host_state), (meta_losses, meta_state) = rank["host"], rank["meta"]
+        assert meta_losses == host_losses
+        for name, want in host_state.items():
+            assert torch.equal(meta_state[name], want), name
+        read = int(rank["weights"].split("(read ")[1].split()[0])
+        assert 0 < read < len(host_state) - 1, rank["weights"]  # its own chunks' tensors only
+
+
 # -- the 2-D mesh: tensor parallel x data parallel ------------------------------------------------
 
 
@@ -397,6 +470,8 @@ def test_mesh_layout_is_torchs_device_mesh_with_tp_inner():
 TP2 = {"size": 2}
 MESH_CASES = {
     "fp32": {**CHUNKS, "tensor_parallel": TP2, "optimizer": {"lr": 1e-2}},
+    "fp32 replicated payloads": {**CHUNKS, "tensor_parallel": TP2,
+                                 "data_parallel_shard": "optimizer", "optimizer": {"lr": 1e-2}},
     # rooted collectives (broadcasts, reduces) in both groups: their roots are global ranks
     "sequence parallel mem_saving_comm": {
         **CHUNKS, "tensor_parallel": {"size": 2, "sequence_parallel": True},
@@ -624,7 +699,9 @@ def _batch_norm_run(rank: int, world: int) -> dict:
         engine(x[rows], y[rows]).backward()
         engine.step()
     trained = {n: b.clone() for n, b in model.named_buffers()}
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # engine.state_dict: with sharded payloads another rank's parameters are meta here
+    state = engine.state_dict()
+    params = {n: state[n].clone() for n, _ in model.named_parameters()}
     x, y = data[-1]
     engine(x[:BN_ROWS], y[:BN_ROWS])  # the same rows everywhere
     engine.zero_grad(set_to_none=True)
@@ -657,7 +734,8 @@ def _fp16_overflow_run(rank: int, world: int) -> dict:
         scales.append(engine.scaler.scale)
         stepped.append(engine.step())
         losses.append(loss.item())
-        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        state = engine.state_dict()  # collective: every rank's chunks, in fp32
+        snapshots.append({n: state[n].clone() for n, _ in model.named_parameters()})
     return {"losses": losses, "stepped": stepped, "scales": scales, "snapshots": snapshots,
             "skipped": engine.optimizer.skipped_steps}  # fmt: skip
 

@@ -4,21 +4,29 @@ One table, every row measured in the same run on the same global batch (each of 
 1/N of it) and the same GPT:
 
 - `serial`: fxstar in one process on the whole batch (the baseline of the time column);
-- `fxstar dp`: N ranks, chunks in groups of N, each rank's Adam state on its own chunks only,
-  gradients reduce-scattered to the owners and updates all-gathered;
-- `fxstar dp mem_saving_comm`: the same through N reduces and N broadcasts in place;
+- `fxstar sharded`: N ranks, payloads sharded (ZeRO-3, `data_parallel_shard='params'`, the
+  default with Adam): a rank holds its own chunks' homes, fetches the others from their owner
+  by a broadcast at each load, and reduce-scatters each group's gradients during backward;
+- `fxstar sharded mem_saving_comm`: the same, gradients reduced one chunk at a time (no
+  group-sized buffer);
+- `fxstar replicated`: every rank holds every payload and steps its own chunks
+  (`data_parallel_shard='optimizer'`, ZeRO-Offload's layout);
 - `fsdp2`: torch's `fully_shard` on every block and the root, torch AdamW.
 
 Columns: step time (median of the timed steps, the slowest rank's), tokens/s over all ranks and
-its ratio to serial; model-state bytes per rank (fxstar: the chunk homes, gradient buffers and
-moments the engine allocated for its rank, `ChunkLayout.host_bytes`; FSDP2: its local shards of
-parameters, gradients and the two moments); the largest communication buffer and the bytes a
-rank handed to collectives per step (its tensors' sizes, not what the ring moved). On a
-2-core CPU the ranks share the cores, so tokens/s does not scale with N here: the ratios say
-what the communication and bookkeeping cost, the bytes are exact.
+its ratio to serial, and the step time against FSDP2's at the same world; model-state bytes per
+rank (fxstar: the chunk homes, gradient buffers and moments its rank allocated,
+`ChunkLayout.host_bytes`; FSDP2: its local shards of parameters, gradients and the two
+moments) and its ratio to the issue's target, the serial state / N plus one chunk group's
+payload; the largest communication buffer (sharded: the most gradient staging held at once)
+and the bytes a rank handed to or received from collectives per step, in parameter bytes
+(ZeRO-3's schedule implies 3x: a gather in forward, one in backward, a reduce-scatter; fewer
+where a fetched chunk stays resident). On a 2-core CPU the ranks share the cores, so tokens/s
+does not scale with N here: the ratios say what the communication and bookkeeping cost, the
+bytes are exact. FSDP2's communication column is what its schedule implies (3x), not measured.
 
-    python benchmarks/dp.py
-    python benchmarks/dp.py --worlds 2,4 --layers 4 --width 256 --json dp.json
+    python benchmarks/data_parallel.py
+    python benchmarks/data_parallel.py --worlds 2,4 --layers 4 --width 256 --json dp.json
 """
 
 from __future__ import annotations
@@ -44,9 +52,12 @@ class Row:
     step_ms: float
     tokens_per_s: float
     tokens_ratio: float
+    time_vs_fsdp2: float | None
     state_bytes_per_rank: int
+    state_vs_target: float | None  # state / (serial state / N + one group's payload)
     comm_buffer_bytes: int
-    sent_bytes_per_step: int
+    comm_bytes_per_step: int
+    comm_vs_params: float  # comm bytes per step / parameter bytes
 
 
 def _model(args: argparse.Namespace) -> GPT:
@@ -76,28 +87,37 @@ def _timed(args: argparse.Namespace, step, batches) -> float:
     return statistics.median(times)
 
 
-def _fxstar(rank: int, world: int, args: argparse.Namespace, mem_saving: bool) -> dict:
+def _fxstar(rank: int, world: int, args: argparse.Namespace, shard: str, mem_saving: bool
+            ) -> dict:  # fmt: skip
     model = _model(args)
     plan = fxstar.Plan(device_memory=args.device_memory, mem_saving_comm=mem_saving,
+                       data_parallel_shard=shard,
                        optimizer={"type": "adamw", "lr": 1e-3})  # fmt: skip
     per_rank = args.batch_size // world
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     batches = [(i[rows], t[rows]) for i, t in _batches(args, args.batch_size)]
     engine = fxstar.compile(model, plan, example_inputs=batches[0])
+    groups = engine.chunks.data_parallel
+    sent = [0]
 
     def step(ids, targets):
         engine(ids, targets).backward()
         engine.step()
+        if groups is not None:
+            sent.append(groups.bytes_sent + groups.bytes_fetched)
 
     seconds = _timed(args, step, batches)
-    manager, groups = engine.chunks, engine.chunks.data_parallel
-    state = manager.layout.host_bytes(masters=False, own_grads=True, moments=True,
-                                      rank=rank if groups is not None else 0)  # fmt: skip
-    steps = args.warmup + args.steps
+    layout = engine.chunks.layout
+    state = layout.host_bytes(masters=False, own_grads=True, moments=True,
+                              rank=rank if groups is not None else 0,
+                              sharded=groups is not None and groups.sharded)  # fmt: skip
+    per_step = [b - a for a, b in zip(sent, sent[1:], strict=False)][args.warmup :]
     return {
-        "seconds": seconds, "state": state,
-        "buffer": groups.peak_buffer_bytes if groups is not None else 0,
-        "sent": groups.bytes_sent // steps if groups is not None else 0,
+        "seconds": seconds, "state": state, "params": layout.param_bytes,
+        "group": layout.ranks * layout.chunk_bytes,
+        "buffer": max(groups.peak_buffer_bytes, groups.peak_staging_bytes)
+        if groups is not None else 0,
+        "comm": int(statistics.median(per_step)) if groups is not None else 0,
     }  # fmt: skip
 
 
@@ -120,15 +140,23 @@ def _fsdp2(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     seconds = _timed(args, step, batches)
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return {"seconds": seconds, "state": local * 4, "buffer": 0, "sent": 0}  # p, grad, 2 moments
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    # p, grad, 2 moments; its schedule gathers in forward and backward and reduce-scatters
+    return {"seconds": seconds, "state": local * 4, "buffer": 0, "comm": 3 * full,
+            "params": full}  # fmt: skip
+
+
+RUNS = {  # name: (data_parallel_shard, mem_saving_comm)
+    "fxstar sharded": ("params", False),
+    "fxstar sharded mem_saving_comm": ("params", True),
+    "fxstar replicated": ("optimizer", False),
+}
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
-    return {
-        "fxstar dp": _fxstar(rank, world, args, mem_saving=False),
-        "fxstar dp mem_saving_comm": _fxstar(rank, world, args, mem_saving=True),
-        "fsdp2": _fsdp2(rank, world, args),
-    }
+    out = {run: _fxstar(rank, world, args, *how) for run, how in RUNS.items()}
+    out["fsdp2"] = _fsdp2(rank, world, args)
+    return out
 
 
 def main() -> None:
@@ -147,28 +175,37 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # as each spawned rank runs
-    serial = _fxstar(0, 1, args, mem_saving=False)
+    serial = _fxstar(0, 1, args, "auto", mem_saving=False)
     tokens = args.batch_size * args.seq_len
-    rows = [Row("serial", 1, serial["seconds"] * 1e3, tokens / serial["seconds"], 1.0,
-                serial["state"], 0, 0)]  # fmt: skip
+    rows = [Row("serial", 1, serial["seconds"] * 1e3, tokens / serial["seconds"], 1.0, None,
+                serial["state"], None, 0, 0, 0.0)]  # fmt: skip
     for world in (int(w) for w in args.worlds.split(",")):
         if args.batch_size % world:
             raise SystemExit(f"--batch-size {args.batch_size} does not split over {world} ranks")
         results = spawn(_worker, world, args)
+        fsdp2 = max(r["fsdp2"]["seconds"] for r in results)
         for run in results[0]:
             seconds = max(r[run]["seconds"] for r in results)  # the slowest rank sets the pace
+            state = max(r[run]["state"] for r in results)
+            first = results[0][run]
+            target = serial["state"] / world + first.get("group", 0)
+            comm = max(r[run]["comm"] for r in results)
             rows.append(Row(
                 run, world, seconds * 1e3, tokens / seconds, serial["seconds"] / seconds,
-                max(r[run]["state"] for r in results), max(r[run]["buffer"] for r in results),
-                max(r[run]["sent"] for r in results),
+                seconds / fsdp2, state, state / target if run != "fsdp2" else None,
+                max(r[run]["buffer"] for r in results), comm, comm / first["params"],
             ))  # fmt: skip
-    header = (f"{'run':<28}{'world':>6}{'step ms':>10}{'tokens/s':>11}{'vs serial':>10}"
-              f"{'state/rank':>13}{'comm buffer':>13}{'comm/step':>12}")  # fmt: skip
+    header = (f"{'run':<32}{'world':>6}{'step ms':>9}{'tokens/s':>10}{'vs serial':>10}"
+              f"{'vs fsdp2':>9}{'state/rank':>12}{'vs target':>10}{'comm buffer':>12}"
+              f"{'comm/step':>12}{'x params':>9}")  # fmt: skip
     print(header)
     for r in rows:
-        print(f"{r.run:<28}{r.world:>6}{r.step_ms:>10.1f}{r.tokens_per_s:>11,.0f}"
-              f"{r.tokens_ratio:>9.2f}x{r.state_bytes_per_rank:>13,}{r.comm_buffer_bytes:>13,}"
-              f"{r.sent_bytes_per_step:>12,}")  # fmt: skip
+        vs_fsdp2 = f"{r.time_vs_fsdp2:.2f}x" if r.time_vs_fsdp2 is not None else "-"
+        vs_target = f"{r.state_vs_target:.2f}x" if r.state_vs_target is not None else "-"
+        print(f"{r.run:<32}{r.world:>6}{r.step_ms:>9.1f}{r.tokens_per_s:>10,.0f}"
+              f"{r.tokens_ratio:>9.2f}x{vs_fsdp2:>9}{r.state_bytes_per_rank:>12,}{vs_target:>10}"
+              f"{r.comm_buffer_bytes:>12,}{r.comm_bytes_per_step:>12,}"
+              f"{r.comm_vs_params:>8.2f}x")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": [asdict(r) for r in rows]}, f, indent=2)
