@@ -624,7 +624,9 @@ def _batch_norm_run(rank: int, world: int) -> dict:
         engine(x[rows], y[rows]).backward()
         engine.step()
     trained = {n: b.clone() for n, b in model.named_buffers()}
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # engine.state_dict: with sharded payloads another rank's parameters are meta here
+    state = engine.state_dict()
+    params = {n: state[n].clone() for n, _ in model.named_parameters()}
     x, y = data[-1]
     engine(x[:BN_ROWS], y[:BN_ROWS])  # the same rows everywhere
     engine.zero_grad(set_to_none=True)
@@ -657,7 +659,8 @@ def _fp16_overflow_run(rank: int, world: int) -> dict:
         scales.append(engine.scaler.scale)
         stepped.append(engine.step())
         losses.append(loss.item())
-        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        state = engine.state_dict()  # collective: every rank's chunks, in fp32
+        snapshots.append({n: state[n].clone() for n, _ in model.named_parameters()})
     return {"losses": losses, "stepped": stepped, "scales": scales, "snapshots": snapshots,
             "skipped": engine.optimizer.skipped_steps}  # fmt: skip
 
