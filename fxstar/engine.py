@@ -31,7 +31,7 @@ from fxstar import placement
 from fxstar.capture import capture
 from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
-from fxstar.mesh import DP_GROUP, data_parallel_size, sharded_payloads
+from fxstar.mesh import DP_GROUP, MESH_GROUP, data_parallel_size, mesh_layout, sharded_payloads
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
@@ -284,24 +284,35 @@ class Engine(nn.Module):
 
     def _agree_ranks(self, program: Program) -> None:
         """Tensor parallel: before any pass, while nothing can have failed on one rank only,
-        the ranks agree on the plan, the graph and (first capture) the full parameters; every
-        rank raises the same error otherwise (runtime/agreement.py). Data parallel: on the plan
-        and the graph (the replicas' parameters are rank 0's, broadcast once the chunks hold
-        them)."""
+        the ranks of a tensor-parallel group agree on the plan, the graph and (first capture)
+        the full parameters; every rank raises the same error otherwise (runtime/agreement.py).
+        Data parallel: on the plan and the graph (the replicas' parameters are rank 0's,
+        broadcast once the chunks hold them). On a 2-D mesh both, each over its own groups
+        (mesh.py: tp groups are consecutive ranks, dp groups one rank of each), which
+        together link every rank; the engine's groups are made here, in the same order on
+        every rank (every rank makes every group)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # the tensor_parallel pass says what is missing
+        config = self.plan.tensor_parallel
+        tensor_parallel = config is not None and config.size > 1
+        mesh = mesh_layout(self.plan) if tensor_parallel else None
+        timeout = self.plan.dist_timeout
         if self.data_parallel_size > 1:
             if DP_GROUP not in self.shared:
-                group = self.shared[DP_GROUP] = tp.new_group(self.plan.dist_timeout)
+                partition = mesh.dp_groups() if mesh is not None else None
+                group = self.shared[DP_GROUP] = tp.new_group(timeout, partition)
                 weakref.finalize(self, tp.release_group, group).atexit = False
+                if mesh is not None:  # a checkpoint save gathers every rank's state
+                    whole = self.shared[MESH_GROUP] = tp.new_group(timeout)
+                    weakref.finalize(self, tp.release_group, whole).atexit = False
             agreement.agree(program, self.shared[DP_GROUP], tensors=False)
+        if not tensor_parallel:
             return
-        config = self.plan.tensor_parallel
-        if config is None or config.size < 2:
-            return
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return  # the tensor_parallel pass says what is missing
         first = TP_GROUP not in self.shared
         if first:  # one process group per engine, with plan.dist_timeout, gone with it
-            group = self.shared[TP_GROUP] = tp.new_group(self.plan.dist_timeout)
+            partition = mesh.tp_groups() if mesh.dp > 1 else None
+            group = self.shared[TP_GROUP] = tp.new_group(timeout, partition)
             weakref.finalize(self, group.release).atexit = False
         agreement.agree(program, self.shared[TP_GROUP], tensors=first)
 
@@ -575,10 +586,11 @@ class Engine(nn.Module):
     def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The model's keys, shapes and dtypes, whatever passes (or bf16/fp16, whose traced
         copy holds low-precision buffers) did to the tensors."""
-        state = self.store.state_dict()
+        full = None
         if self.chunks is not None and self.chunks.sharded:  # other ranks' chunks: collective
             full = self.chunks.data_parallel.full_parameters(self.chunks)
-            state = {k: full.get(k, v) if v.is_meta else v for k, v in state.items()}
+        # remote chunks' values filled in before tensor-parallel shards are glued (2-D mesh)
+        state = self.store.state_dict(full)
         own = {k: v.dtype for k, v in self.model.state_dict().items()}
         return {prefix + k: v.to(own.get(k, v.dtype)) for k, v in state.items()}
 
@@ -629,7 +641,7 @@ class Engine(nn.Module):
             return
         if self.chunks is not None:
             self.chunks.close()
-        for key in (TP_GROUP, DP_GROUP):
+        for key in (TP_GROUP, DP_GROUP, MESH_GROUP):
             tp.release_group(self.shared.pop(key, None))
         self._closed = True
         self.programs.clear()

@@ -172,17 +172,27 @@ class ParameterStore:
                     seen.add(id(tensor))
                     yield full, tensor
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict keys and shapes, with current values (derived parts glued)."""
+    def state_dict(
+        self, values: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The model's state dict keys and shapes, with current values (derived parts glued).
+        `values` (by fed name) stand in for tensors this rank holds as meta (another data-
+        parallel rank's chunks, gathered from their owners): they are glued like the parts
+        they stand for (under tensor parallelism a remote shard is still a shard)."""
+        values = values or {}
+
+        def value(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return (values.get(name, tensor) if tensor.is_meta else tensor).detach()
+
         out = {}
         for key in self.model.state_dict():
             if key in self._buffers:
                 out[key] = self._buffers[key].detach()
             elif key in self._tensors:
-                out[key] = self._tensors[key].detach()
+                out[key] = value(key, self._tensors[key])
             else:
                 derived = self._derived.get(self._canonical(key))
                 out[key] = derived.consolidate(
-                    {n: p.detach() for n, p in derived.parts.items()}
+                    {n: value(n, p) for n, p in derived.parts.items()}
                 ).detach()
         return out

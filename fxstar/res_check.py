@@ -86,6 +86,11 @@ def res_check(make_model: Callable[[], nn.Module], plan: Plan,
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         raise UsageError("res_check compares a data-parallel run with a serial one: launch it "
                          "on 2 or more ranks (torchrun --nproc-per-node N ...)")  # fmt: skip
+    if plan.tensor_parallel is not None and plan.tensor_parallel.size > 1:
+        raise UsageError(
+            "res_check compares data parallelism alone with one process; its serial side "
+            "cannot run a tensor-parallel plan: drop tensor_parallel"
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = [_slice(b, rank, world) for b in batches]
     losses = torch.tensor(_losses(make_model(), plan, mine), dtype=torch.float64)

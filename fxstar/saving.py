@@ -53,6 +53,12 @@ Loading consolidates: the optimizer states of all ranks are joined into one
 (`fxstar.load` returns that), and each rank of any number of data-parallel ranks, or one
 process, takes what its own chunks need, so a checkpoint of 2 ranks resumes at 1, 2 or 4. At
 the same world size each rank gets its own RNG state back, at another rank 0's.
+
+On a 2-D mesh (tensor x data parallel, fxstar/mesh.py) every rank's state is gathered over
+the engine's mesh group (every rank) and written per global rank; each rank's optimizer state
+is the moments of its own chunks of its own shards, which no consolidation by name can join,
+so such a checkpoint resumes at the same world and tensor-parallel size only, each rank from
+its own file (anything else is refused with a CheckpointError).
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from fxstar.errors import CheckpointError
-from fxstar.mesh import DP_GROUP
+from fxstar.mesh import DP_GROUP, MESH_GROUP
 from fxstar.passes.tensor_parallel import GROUP_KEY
 from fxstar.runtime import dist as tp
 from fxstar.weights import WeightSource, write_safetensors
@@ -261,7 +267,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def save(engine: Engine, path: str | os.PathLike) -> Path:
     """Write `engine`'s checkpoint to directory `path`, replacing any there atomically. Under
     tensor parallelism every rank must call it (the parameters are gathered); rank 0 writes."""
-    if engine.data_parallel_size > 1:  # each rank writes its own files
+    if engine.data_parallel_size > 1 and _tp_size(engine) == 1:  # each rank its own files
         return _save_data_parallel(engine, path)
     params, aliases = _dedupe(engine.state_dict())  # collective under tensor parallelism
     ranks = _ranks(engine)
@@ -281,11 +287,11 @@ def _gather_states(engine: Engine, group: tp.TPGroup | None) -> list[tuple[Any, 
     except Exception as caught:
         mine = f"{type(caught).__name__}: {caught}"
     pg = tp.process_group(group)
-    rank = dist.get_rank()
+    rank = dist.get_rank(pg)  # in the group: a tensor-parallel row of a mesh starts anywhere
     gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
     with tp.guard("gather_object (checkpoint save)", group):
-        dist.gather_object(mine, gathered, dst=0, group=pg)
+        dist.gather_object(mine, gathered, dst=tp.global_rank(group, 0), group=pg)
     if rank != 0:
         return []
 
@@ -435,20 +441,46 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
     return _on_rank_zero(saved, group)
 
 
-def _ranks(engine: Engine) -> int:
-    """The ranks a tensor-parallel or data-parallel engine runs on, whose save is collective;
-    else 1."""
-    if engine.data_parallel_size > 1:
-        return engine.data_parallel_size
+def _tp_size(engine: Engine) -> int:
     config = engine.plan.tensor_parallel
     if config is None or config.size < 2 or not (dist.is_available() and dist.is_initialized()):
         return 1
-    return dist.get_world_size()
+    return config.size
+
+
+def _ranks(engine: Engine) -> int:
+    """The ranks of one model a tensor-parallel, data-parallel or 2-D mesh engine runs on,
+    whose save is collective; else 1."""
+    return _tp_size(engine) * engine.data_parallel_size
 
 
 def _group(engine: Engine) -> tp.TPGroup | None:
-    """The engine's own process group (tensor or data parallel)."""
-    return engine.shared.get(GROUP_KEY) or engine.shared.get(DP_GROUP)
+    """The engine's process group over every rank of its model (the mesh's, the tensor- or
+    the data-parallel one)."""
+    for key in (MESH_GROUP, GROUP_KEY, DP_GROUP):
+        if engine.shared.get(key) is not None:
+            return engine.shared[key]
+    return None
+
+
+def _rank(engine: Engine) -> int:
+    """This rank's place among `_ranks(engine)` (its rank in `_group(engine)`)."""
+    group = _group(engine)
+    return dist.get_rank(tp.process_group(group)) if _ranks(engine) > 1 else 0
+
+
+def _saved_tp(meta: Mapping[str, Any]) -> int:
+    """The tensor-parallel size a checkpoint was saved at (1: none)."""
+    plan = meta.get("plan")
+    saved = plan.get("tensor_parallel") if isinstance(plan, dict) else None
+    return int(saved.get("size", 1)) if isinstance(saved, dict) else 1
+
+
+def _resharded(meta: Mapping[str, Any]) -> bool:
+    """Whether loading joins the ranks' optimizer states into one (data parallel alone: each
+    rank's moments are whole parameters' of its own chunks; under tensor parallelism they
+    are shards)."""
+    return _data_parallel(meta) > 1 and _saved_tp(meta) == 1
 
 
 def _data_parallel(meta: Mapping[str, Any]) -> int:
@@ -476,7 +508,7 @@ def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> 
     goes on before the checkpoint is whole (a barrier that carries the outcome)."""
     outcome: list[Any] = [None]
     error = None
-    if dist.get_rank() == 0:
+    if dist.get_rank(tp.process_group(group)) == 0:
         try:
             outcome[0] = save()
         except Exception as caught:  # told to the other ranks first, then raised here
@@ -484,7 +516,8 @@ def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> 
             outcome[0] = CheckpointError(f"rank 0 failed to save the checkpoint: {caught}")
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
     with tp.guard("broadcast_object_list (checkpoint save)", group):
-        dist.broadcast_object_list(outcome, src=0, group=tp.process_group(group))
+        dist.broadcast_object_list(outcome, src=tp.global_rank(group, 0),
+                                   group=tp.process_group(group))  # fmt: skip
     if error is not None:
         raise error
     if isinstance(outcome[0], Exception):
@@ -742,8 +775,8 @@ class Checkpoint:
         # sharded payloads: names and shapes suffice (other ranks' chunks are meta here)
         sharded = engine.chunks is not None and engine.chunks.sharded
         self.check(engine.store.state_dict() if sharded else engine.state_dict())
-        rank = dist.get_rank() if ranks != 1 and _ranks(engine) == ranks else 0
-        if rank != 0 and _data_parallel(self.meta) > 1:  # consolidated: only the RNG is its own
+        rank = _rank(engine) if ranks != 1 and _ranks(engine) == ranks else 0
+        if rank != 0 and _resharded(self.meta):  # consolidated: only the RNG is its own
             state = {**state, "rng": self.rank_rngs[rank]}
         elif rank != 0:  # tensor parallel: the rank's own shards (rank 0's is self.state)
             state = _rank_state(self.path, self.meta, rank)
@@ -762,8 +795,8 @@ class Checkpoint:
         plan = self.meta.get("plan")
         saved = plan.get("tensor_parallel") if isinstance(plan, dict) else None
         saved_tp = saved.get("size", ranks) if isinstance(saved, dict) else ranks
-        if _data_parallel(self.meta) > 1:
-            saved_tp = 1
+        if _data_parallel(self.meta) > 1:  # data parallel alone, or a 2-D mesh
+            saved_tp = _saved_tp(self.meta)
         config = engine.plan.tensor_parallel
         my_tp = config.size if config is not None else 1
         if saved_tp == my_tp == 1 and (_data_parallel(self.meta) > 1 or ranks == 1):
@@ -771,10 +804,11 @@ class Checkpoint:
         if ranks != mine or (ranks != 1 and saved_tp != my_tp):
             raise CheckpointError(
                 f"{self.path} was saved by {ranks} tensor-parallel ranks (tensor_parallel size "
-                f"{saved_tp}); this engine runs on {mine} (size {my_tp}): a run resumes at the "
-                "same world size and tensor-parallel size only (resharding the optimizer state "
-                "is not supported); to start afresh from its weights, load its parameters into "
-                "the model before compile (fxstar.load(dir, model))"
+                f"{saved_tp} x {_data_parallel(self.meta)} data-parallel replicas); this engine "
+                f"runs on {mine} (size {my_tp} x {engine.data_parallel_size}): a run resumes "
+                "at the same world size and tensor-parallel size only (resharding tensor-"
+                "parallel optimizer state is not supported); to start afresh from its weights, "
+                "load its parameters into the model before compile (fxstar.load(dir, model))"
             )
         if "rank_states" not in self.meta:
             raise CheckpointError(
@@ -873,7 +907,7 @@ def load(
         skeleton = meta.pop("state")
     state = _state(directory, meta, meta.get("tensors", TENSORS), skeleton)
     rank_rngs: dict[int, Any] = {}
-    if _data_parallel(meta) > 1:
+    if _resharded(meta):
         state, rank_rngs = _consolidated(directory, meta, state)
     if read_parameters and model is None:
         checkpoint = Checkpoint(directory, _parameters(directory, meta), state, meta,

@@ -25,7 +25,7 @@ import torch
 
 from fxstar.dump import note
 from fxstar.errors import FxstarError
-from fxstar.mesh import data_parallel_size
+from fxstar.mesh import data_parallel_size, mesh_layout
 from fxstar.passes import Pass, register
 from fxstar.passes.shape_memory import backward_peak, node_steps
 from fxstar.program import ParamInfo, Program
@@ -76,10 +76,12 @@ def budget_bytes(program: Program) -> int | None:
 
 def fake_ranks(plan) -> int:
     """fake_dist: the data-parallel ranks that share one device, each with its part of the
-    budget (1 without it)."""
+    budget (1 without it); on a 2-D mesh every rank of the world shares it."""
     if not plan.fake_dist:
         return 1
     ranks = data_parallel_size(plan)
+    if ranks > 1:
+        ranks = mesh_layout(plan).world
     if ranks == 1:
         raise ChunkLayoutError(
             "fake_dist: gives each of N data-parallel ranks on one device 1/N of device_memory; "

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import fx
 
 from fxstar.dump import note
+from fxstar.errors import OptionNotImplementedError
+from fxstar.mesh import mesh_layout
 from fxstar.passes import Pass, register
 from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
 from fxstar.program import Program
@@ -59,7 +61,8 @@ def _consolidate(dim: int, parts: int, group: tp.TPGroup):
 def _engine_group(program: Program) -> tp.TPGroup:
     """A process group with plan.dist_timeout, destroyed when the engine's parameter store is
     freed (the Engine has no hook for it yet)."""
-    group = tp.new_group(program.plan.dist_timeout)
+    mesh = mesh_layout(program.plan)
+    group = tp.new_group(program.plan.dist_timeout, mesh.tp_groups() if mesh.dp > 1 else None)
     if program.store is not None:
         weakref.finalize(program.store, group.release).atexit = False
     return group
@@ -82,6 +85,27 @@ def _local_val(val: Any, dim: int, n: int) -> Any:
     shape = list(val.shape)
     shape[dim] //= n
     return _shaped_val(val, tuple(shape))
+
+
+def _refuse_rank_local_decisions(plan: Any) -> None:
+    """Gradient clipping and fp16's overflow check decide from every gradient of the model.
+    The optimizers sum the squares of the gradients a rank holds: under tensor parallelism
+    those are shards, so each rank would clip by (and skip on) a norm of its own, and the
+    replicated weights (norms, embeddings) would drift apart across the ranks without a
+    word. Until the norm is summed over the shards (replicated weights counted once), both
+    are refused."""
+    what = []
+    if plan.optimizer.clip_grad_norm is not None:
+        what.append(f"optimizer.clip_grad_norm ({plan.optimizer.clip_grad_norm:g})")
+    if plan.precision == "fp16":
+        what.append("precision 'fp16' (dynamic loss scaling)")
+    if what:
+        raise OptionNotImplementedError(
+            f"{' and '.join(what)} under tensor parallelism: the gradient norm and the "
+            "overflow check would be each rank's own (its shards), so ranks would clip or skip "
+            "differently and the replicated weights would diverge; drop clip_grad_norm and use "
+            "precision 'bf16' or 'fp32' with tensor_parallel"
+        )
 
 
 @register
@@ -112,11 +136,13 @@ class TensorParallel(Pass):
         # first, while nothing can have failed on one rank only: all raise the same error
         if not program.decisions.tp_agreed:
             agreement.agree(program, group, tensors=first)
-        if dist.get_world_size() != config.size:
+        ranks = dist.get_world_size(tp.process_group(group))
+        if ranks != config.size:
             raise TPShardingError(
-                f"plan.tensor_parallel.size is {config.size} but the process group has "
-                f"{dist.get_world_size()} ranks; they must be equal"
+                f"plan.tensor_parallel.size is {config.size} but the engine's tensor-parallel "
+                f"group has {ranks} ranks; they must be equal"
             )
+        _refuse_rank_local_decisions(program.plan)
         if program.plan.verify:
             raise TPShardingError(
                 "plan.verify compares each stage with a single-process run on full tensors; a "
@@ -140,7 +166,8 @@ class _Rewrite:
         self.sharding = sharding
         self.graph = program.graph_module.graph
         self.nodes = {node.name: node for node in self.graph.nodes}
-        self.n, self.rank = config.size, dist.get_rank()
+        # the rank within the tensor-parallel group: on a 2-D mesh not the global one
+        self.n, self.rank = config.size, dist.get_rank(tp.process_group(group))
         self.sp = config.sequence_parallel
         self.async_comm = config.async_communication
         # measured (benchmarks/tp.py): overlapped with grad_input the re-gather costs no time

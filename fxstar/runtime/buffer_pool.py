@@ -5,6 +5,7 @@ time, and mem_saving_comm reduces through one scratch buffer. A `TPGroup` holds 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["BufferPool"]
 
@@ -16,6 +17,12 @@ class BufferPool:
         self._flat: dict[tuple, torch.Tensor] = {}
 
     def get(self, purpose: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A view of `shape` of the purpose's buffer. A fake `like` (shape_memory measures the
+        graph on fake tensors) gets a fresh fake of its own: a pooled fake would be handed to
+        the real run later (an op mixing fake and real tensors fails) and would outlive its
+        FakeTensorMode."""
+        if isinstance(like, FakeTensor):
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
         key = (purpose, like.dtype, like.device)
         numel = 1
         for s in shape:

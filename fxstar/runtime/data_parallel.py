@@ -162,7 +162,7 @@ class ChunkGroups:
         with self._guard(what):
             for owner, tensor in enumerate(tensors):
                 if tensor.numel():
-                    collective(tensor, owner, group=self.pg)
+                    collective(tensor, comm.global_rank(self.group, owner), group=self.pg)
                     self.bytes_sent += tensor.nbytes
 
     def reduce_group(self, grads: list[torch.Tensor], chunk_size: int) -> torch.Tensor | None:
@@ -215,7 +215,7 @@ class ChunkGroups:
         """Rank 0's values everywhere (a replica starts as rank 0's model, as DDP's does)."""
         with self._guard(f"broadcasting {what} from rank 0"):
             for t in tensors:
-                dist.broadcast(t, src=0, group=self.pg)
+                dist.broadcast(t, src=comm.global_rank(self.group, 0), group=self.pg)
 
     # -- the chunks' side ---------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from fxstar.errors import CollectiveError
 from fxstar.runtime.buffer_pool import BufferPool
 from fxstar.runtime.tp_group import (
     TPGroup,
+    global_rank,
     group_timeout,
     guard,
     new_group,
@@ -57,6 +58,7 @@ __all__ = [
     "full_shape",
     "gather_from_seq",
     "gather_shards",
+    "global_rank",
     "grad_all_reduce",
     "group_timeout",
     "guard",
@@ -96,7 +98,8 @@ class _Works:
 
 class Collectives:
     """The collectives the TP ops use, over `group` (a `TPGroup`; None = torch's default
-    group, with buffers of its own). Groups span every rank, so a group rank is a global rank.
+    group, with buffers of its own). `rank` and `world` are the group's (a row of a 2-D mesh
+    is not every rank); rooted collectives name their root by its global rank.
 
     `op` and `phase` name the caller in errors ('all_gather in column_linear backward').
     `mem_saving`: all-gather as N broadcasts, reduce-scatter as N reduces through one scratch
@@ -137,7 +140,7 @@ class Collectives:
             ])  # fmt: skip
         flat[self.rank].copy_(own)
         return self._issue("all_gather (as broadcasts)", lambda: [
-            dist.broadcast(flat[src], src, group=pg, async_op=async_op)
+            dist.broadcast(flat[src], global_rank(self.group, src), group=pg, async_op=async_op)
             for src in range(self.world)
         ])  # fmt: skip
 
@@ -155,7 +158,7 @@ class Collectives:
             scratch = self.buffers.get("scratch", (out.numel(),), out)
             for dst in range(self.world):
                 scratch.copy_(parts[dst])
-                dist.reduce(scratch, dst, group=pg)
+                dist.reduce(scratch, global_rank(self.group, dst), group=pg)
                 if dst == self.rank:
                     out.view(-1).copy_(scratch)
             return []

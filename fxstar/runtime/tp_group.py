@@ -5,6 +5,10 @@ into. Why an object and not a registry: a graph that holds its runtime can be du
 and run next to another engine's without either reaching the other's state, and nothing
 outlives the engine in module globals.
 
+Under a 2-D mesh (fxstar/mesh.py) a group spans only some ranks: a group rank is then not a
+global rank, and torch's rooted collectives (broadcast's src, reduce's dst) take the global
+one: `global_rank` converts.
+
 Failures: an engine's group is made with `plan.dist_timeout`, so a rank that stopped (crashed,
 skipped a step, diverged) makes the others raise a `CollectiveError` naming the collective
 instead of waiting out gloo's 30 minutes (`guard`).
@@ -26,19 +30,29 @@ from fxstar.runtime.buffer_pool import BufferPool
 if TYPE_CHECKING:
     from fxstar.runtime.rng_tracker import RankStream
 
-__all__ = ["TPGroup", "group_timeout", "guard", "new_group", "process_group", "release_group"]
+__all__ = [
+    "TPGroup",
+    "global_rank",
+    "group_timeout",
+    "guard",
+    "new_group",
+    "process_group",
+    "release_group",
+]
 
 ATTR = "tp_group"  # the submodule's name in a graph module (and in its regions)
 
 
 class TPGroup(nn.Module):
-    """A process group over every rank (so a group rank is a global rank) and what belongs
-    to it; a graph's collectives, random ops and recomputed regions read it from the graph."""
+    """A process group (every rank, or this rank's row or column of a 2-D mesh) and what
+    belongs to it; a graph's collectives, random ops and recomputed regions read it from the
+    graph."""
 
-    def __init__(self, pg: Any, timeout: float | None):
+    def __init__(self, pg: Any, timeout: float | None, ranks: list[int] | None = None):
         super().__init__()
         self.pg = pg  # dist.ProcessGroup; None: torch's default group
         self.timeout = timeout  # seconds; None: the default group's (torch's)
+        self.ranks = ranks  # the global ranks in group-rank order; None: every rank
         self.stream: RankStream | None = None  # this rank's RNG stream, once made
         self.buffers = BufferPool()
 
@@ -55,14 +69,28 @@ class TPGroup(nn.Module):
             dist.destroy_process_group(pg)
 
     def extra_repr(self) -> str:
-        return f"timeout={self.timeout:g}s" if self.timeout is not None else "default group"
+        where = "" if self.ranks is None else f"ranks={self.ranks}, "
+        return where + (f"timeout={self.timeout:g}s" if self.timeout is not None
+                        else "default group")  # fmt: skip
 
 
-def new_group(timeout: float) -> TPGroup:
-    """A process group over every rank whose collectives give up after `timeout` seconds.
-    Collective: every rank calls it at the same point."""
+def new_group(timeout: float, partition: list[list[int]] | None = None) -> TPGroup:
+    """A process group whose collectives give up after `timeout` seconds: over every rank, or
+    with `partition` (lists of global ranks covering the world, as `MeshLayout.tp_groups`
+    gives) over the part holding this rank. Collective: every rank calls it at the same point
+    with the same partition (torch makes every group on every rank, members or not)."""
+    delta = datetime.timedelta(seconds=timeout)
     try:
-        pg = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        if partition is None:
+            pg, ranks = dist.new_group(timeout=delta), None
+        else:
+            me, pg, ranks = dist.get_rank(), None, None
+            for part in partition:
+                made = dist.new_group(ranks=list(part), timeout=delta)
+                if me in part:
+                    pg, ranks = made, list(part)
+            if pg is None:
+                raise ValueError(f"rank {me} is in no group of the partition {partition}")
     except RuntimeError as error:
         if not _lost_peer(error):
             raise
@@ -73,7 +101,15 @@ def new_group(timeout: float) -> TPGroup:
             "tensor_parallel). Look for the first error in the other ranks' output; "
             f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
         ) from error
-    return TPGroup(pg, float(timeout))
+    return TPGroup(pg, float(timeout), ranks)
+
+
+def global_rank(group: TPGroup | None, group_rank: int) -> int:
+    """The global rank of `group`'s rank `group_rank` (what broadcast's src and reduce's dst
+    name); the same number when the group spans every rank."""
+    if group is None or group.ranks is None:
+        return group_rank
+    return group.ranks[group_rank]
 
 
 def release_group(group: TPGroup | None) -> None:

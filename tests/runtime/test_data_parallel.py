@@ -91,6 +91,9 @@ CASES = {
     "bf16": ({**CHUNKS, "precision": "bf16", "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
     "accumulation": ({**CHUNKS, "optimizer": {"lr": 1e-2, "accumulation_steps": 2}}, "gpt", 0.0),
     "sgd": ({**CHUNKS, "optimizer": {"type": "sgd", "lr": 0.5}}, "gpt", 0.0),
+    # the position embedding leaves the chunks (GPT's token embedding is tied to the head):
+    # a loose parameter, its gradient averaged on its own
+    "cpu_embedding": ({**CHUNKS, "cpu_embedding": True, "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
     "dropout": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt", 0.1),
     # room to spare: HybridAdam keeps some of each rank's own chunks on the compute tier
     "hybrid keeps chunks": (
@@ -169,6 +172,7 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         ),
         "remote": sum(c.remote for c in engine.chunks.chunks),
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
+        "host_embeddings": list(getattr(engine.program.decisions.cpu_embedding, "host", [])),
         "moments": sum(
             s["exp_avg"].numel() for s in engine.optimizer.state.values() if "exp_avg" in s
         ),  # fmt: skip
@@ -247,6 +251,7 @@ def run_world(world: int) -> None:
     assert results[0]["fp32"]["info"]["peak_buffer"] > 0
     assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
     assert all(r["hybrid keeps chunks"]["info"]["kept"] > 0 for r in results)
+    assert results[0]["cpu_embedding"]["info"]["host_embeddings"] == ["wpe.weight"]
 
 
 def test_world_2_matches_the_serial_run():
@@ -503,3 +508,343 @@ def test_release_after_init_starts_sharded_ranks_as_the_serial_model():
 @pytest.mark.slow
 def test_release_after_init_starts_a_sharded_transformers_model_as_the_serial_one():
     check_release_after_init("llama")
+
+
+# -- the 2-D mesh: tensor parallel x data parallel ------------------------------------------------
+
+
+def test_mesh_layout_is_torchs_device_mesh_with_tp_inner():
+    """tp groups are consecutive ranks, dp groups one rank of each (init_device_mesh's
+    (dp, tp) layout); a world tp does not divide is a PlanError naming both."""
+    from fxstar.mesh import MeshLayout
+
+    mesh = MeshLayout(4, 2)
+    assert mesh.dp == 2
+    assert mesh.tp_groups() == [[0, 1], [2, 3]] and mesh.dp_groups() == [[0, 2], [1, 3]]
+    assert [mesh.tp_group_of(r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [mesh.dp_group_of(r) for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [(mesh.dp_rank(r), mesh.tp_rank(r)) for r in range(4)] == [(0, 0), (0, 1), (1, 0),
+                                                                      (1, 1)]  # fmt: skip
+    wide = MeshLayout(8, 2)
+    assert wide.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert wide.dp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert MeshLayout(4, 4).dp_groups() == [[0], [1], [2], [3]]
+    # every rank is in exactly one group of each kind, at its (dp, tp) coordinates
+    for r in range(8):
+        assert wide.tp_group_of(r)[wide.tp_rank(r)] == r == wide.dp_group_of(r)[wide.dp_rank(r)]
+    with pytest.raises(fxstar.errors.PlanError, match="does not divide the world of 6"):
+        MeshLayout(6, 4)
+
+
+TP2 = {"size": 2}
+MESH_CASES = {
+    "fp32": {**CHUNKS, "tensor_parallel": TP2, "optimizer": {"lr": 1e-2}},
+    "fp32 replicated payloads": {**CHUNKS, "tensor_parallel": TP2,
+                                 "data_parallel_shard": "optimizer", "optimizer": {"lr": 1e-2}},
+    # rooted collectives (broadcasts, reduces) in both groups: their roots are global ranks
+    "sequence parallel mem_saving_comm": {
+        **CHUNKS, "tensor_parallel": {"size": 2, "sequence_parallel": True},
+        "mem_saving_comm": True, "optimizer": {"lr": 1e-2},
+    },
+}  # fmt: skip
+
+
+def _mesh_train(options: dict, rank: int, world: int, serial: bool, save: str | None = None):
+    """Losses and whole parameters (engine.state_dict) of the 2-D run on this rank's
+    replica's slice; `serial`: the tensor-parallel-only run on the whole batch (each
+    tensor-parallel group of the world trains a model of its own: data_parallel=False)."""
+    from fxstar.mesh import MeshLayout
+
+    mesh = MeshLayout(world, options["tensor_parallel"]["size"])
+    plan = Plan.from_dict({**options, "data_parallel": not serial})
+    replica = mesh.dp_rank(rank)
+    rows = slice(None) if serial else slice(replica * PER_RANK, (replica + 1) * PER_RANK)
+    data = batches(mesh.dp)
+    engine = fxstar.compile(gpt(), plan, example_inputs=(data[0][0][rows], data[0][1][rows]))
+    losses = []
+    for step, (ids, targets) in enumerate(data[:STEPS]):
+        loss = engine(ids[rows], targets[rows])
+        loss.backward()
+        engine.step()
+        losses.append(loss.item())
+        if save is not None and step == 0:
+            engine.save(save)
+    params = {n: t.detach().float().clone() for n, t in engine.state_dict().items()}
+    layout = engine.chunks.layout
+    groups = engine.chunks.data_parallel
+    tp_group = engine.shared["tensor_parallel.group"]
+    return engine, {"losses": losses, "params": params, "ranks": layout.ranks,
+                    "tp_ranks": tp_group.ranks,
+                    "dp_ranks": groups.group.ranks if groups is not None else None,
+                    "report": engine.report()}  # fmt: skip
+
+
+def _mesh_resume(options: dict, rank: int, world: int, path: str) -> dict:
+    """A fresh engine on the same mesh loads the checkpoint saved after step 0 and trains
+    steps 1.. again; a tensor-parallel-only engine (another world of ranks per model) is
+    refused by name."""
+    from fxstar.mesh import MeshLayout
+
+    mesh = MeshLayout(world, options["tensor_parallel"]["size"])
+    replica = mesh.dp_rank(rank)
+    rows = slice(replica * PER_RANK, (replica + 1) * PER_RANK)
+    data = batches(mesh.dp)
+    torch.manual_seed(999)
+    engine = fxstar.compile(gpt(), Plan.from_dict(options),
+                            example_inputs=(data[0][0][rows], data[0][1][rows]))  # fmt: skip
+    engine.load(path)
+    losses = []
+    for ids, targets in data[1:STEPS]:
+        loss = engine(ids[rows], targets[rows])
+        loss.backward()
+        engine.step()
+        losses.append(loss.item())
+    params = {n: t.detach().float().clone() for n, t in engine.state_dict().items()}
+    other = fxstar.compile(gpt(), Plan.from_dict({**options, "data_parallel": False}),
+                           example_inputs=(data[0][0], data[0][1]))  # fmt: skip
+    try:
+        other.load(path)
+        refused = None
+    except fxstar.errors.CheckpointError as error:
+        refused = str(error)
+    return {"losses": losses, "params": params, "refused": refused}
+
+
+def _mesh_worker(rank: int, world: int, names: list[str], path: str) -> dict:
+    out = {}
+    for name in names:
+        save = path if name == names[0] else None
+        engine, mesh_run = _mesh_train(MESH_CASES[name], rank, world, serial=False, save=save)
+        del engine
+        _, serial = _mesh_train(MESH_CASES[name], rank, world, serial=True)
+        out[name] = {"mesh": mesh_run, "serial": serial}
+    out["resume"] = _mesh_resume(MESH_CASES[names[0]], rank, world, path)
+    return out
+
+
+def _assert_params_close(got: dict, want: dict, label: str) -> None:
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        g = got[n]
+        if n.endswith("attn.c_attn.bias"):  # see key_bias_noise
+            g, w = key_bias_noise(g), key_bias_noise(w)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=n: f"{label}: {n}: {m}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_x_data_parallel_2_matches_the_tensor_parallel_run(tmp_path):
+    """World 4 = tp 2 x dp 2 on chunks: each replica trains half the batch; the losses (mean
+    over the replicas) and the whole parameters after the steps match the tp-2 run on the
+    whole batch within 1e-5; a checkpoint saved on the mesh resumes on it, bitwise."""
+    import fxstar.saving as ckpt
+
+    path = str(tmp_path / "ckpt")
+    names = list(MESH_CASES)
+    results = spawn(_mesh_worker, 4, names, path)
+    for name in names:
+        runs = [r[name] for r in results]
+        assert [r["mesh"]["tp_ranks"] for r in runs] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+        assert [r["mesh"]["dp_ranks"] for r in runs] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+        assert all(r["mesh"]["ranks"] == 2 and r["serial"]["ranks"] == 1 for r in runs)
+        assert "rank 1 of 2" in runs[2]["mesh"]["report"]  # global rank 2: dp rank 1
+        # tensor-parallel partners compute one loss; the replicas' mean is the whole batch's
+        for a, b in ((0, 1), (2, 3)):
+            assert runs[a]["mesh"]["losses"] == runs[b]["mesh"]["losses"], name
+        mean = torch.tensor([runs[0]["mesh"]["losses"], runs[2]["mesh"]["losses"]]).mean(0)
+        serial = torch.tensor(runs[0]["serial"]["losses"])
+        torch.testing.assert_close(mean, serial, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        for rank, run in enumerate(runs):
+            # the replicas are one model: bitwise; and that model is the serial one's
+            for n, p in runs[0]["mesh"]["params"].items():
+                assert torch.equal(run["mesh"]["params"][n], p), f"{name}: {n} on rank {rank}"
+            _assert_params_close(run["mesh"]["params"], run["serial"]["params"], name)
+    # the checkpoint saved after step 0 of the first case: one file per rank, and each rank
+    # resumes from its own: steps 1.. repeat the uninterrupted ones bit for bit
+    first = names[0]
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == sorted([ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE,
+                            *(ckpt._rank_file(r) for r in (1, 2, 3))])  # fmt: skip
+    checkpoint = fxstar.load(tmp_path / "ckpt")
+    assert checkpoint.meta["ranks"] == 4 and checkpoint.meta["data_parallel"] == 2
+    assert {n: tuple(t.shape) for n, t in checkpoint.parameters.items()} == {
+        n: tuple(t.shape) for n, t in gpt().state_dict().items()
+    }  # whole, not a rank's shard
+    for rank, r in enumerate(results):
+        resumed = r["resume"]
+        assert resumed["losses"] == r[first]["mesh"]["losses"][1:], rank
+        for n, p in r[first]["mesh"]["params"].items():
+            assert torch.equal(resumed["params"][n], p), f"resumed {n} on rank {rank}"
+        assert (
+            resumed["refused"] is not None
+            and "saved by 4 tensor-parallel ranks" in resumed["refused"]
+        )
+
+
+def test_clipping_and_fp16_under_tensor_parallel_are_refused_by_name():
+    """Each rank would clip by (and skip on) the norm of its own shards: refused, not run."""
+    from fxstar.passes.tensor_parallel import _refuse_rank_local_decisions
+
+    clip = Plan(tensor_parallel=TP2, optimizer={"clip_grad_norm": 1.0})
+    with pytest.raises(fxstar.errors.OptionNotImplementedError, match="clip_grad_norm"):
+        _refuse_rank_local_decisions(clip)
+    with pytest.raises(fxstar.errors.OptionNotImplementedError, match="fp16"):
+        _refuse_rank_local_decisions(Plan(tensor_parallel=TP2, precision="fp16"))
+    _refuse_rank_local_decisions(Plan(tensor_parallel=TP2, precision="bf16"))
+
+
+# -- BatchNorm buffers and fp16 overflow under data parallelism ------------------------------------
+
+
+class BatchNormNet(torch.nn.Module):
+    """A regression through BatchNorm1d: running statistics that training changes. fc1 has no
+    bias: BatchNorm removes it, so its gradient is rounding noise that Adam would turn into
+    updates of the learning rate's size (see key_bias_noise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32, bias=False)
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.fc2 = torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.fc2(torch.relu(self.bn(self.fc1(x)))), y)
+
+
+BN_PLAN = {"chunk_size": 512, "device_memory": "auto", "optimizer": {"type": "adamw", "lr": 1e-2}}
+BN_ROWS = 8  # per rank
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return BatchNormNet()
+
+
+def _bn_batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(world * BN_ROWS, 8, generator=g) * (1 + step),
+             torch.randn(world * BN_ROWS, 1, generator=g)) for step in range(STEPS)]  # fmt: skip
+
+
+def _bn_ddp_oracle(world: int) -> list[dict]:
+    """DDP's semantics in one process, in eager torch: `world` replicas, each a forward on its
+    rows after taking replica 0's buffers (broadcast_buffers), gradients averaged, one AdamW.
+    Each replica's buffers and parameters after the steps."""
+    opt = Plan.from_dict(BN_PLAN).optimizer
+    replicas = [_bn_model() for _ in range(world)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                    weight_decay=opt.weight_decay) for m in replicas]  # fmt: skip
+    for x, y in _bn_batches(world):
+        start = [b.clone() for b in replicas[0].buffers()]  # before any replica's forward
+        for r, model in enumerate(replicas):
+            with torch.no_grad():
+                for mine, first in zip(model.buffers(), start, strict=True):
+                    mine.copy_(first)
+            rows = slice(r * BN_ROWS, (r + 1) * BN_ROWS)
+            model(x[rows], y[rows]).backward()
+        with torch.no_grad():
+            for params in zip(*(m.parameters() for m in replicas), strict=True):
+                mean = torch.stack([p.grad for p in params]).mean(0)
+                for p in params:
+                    p.grad.copy_(mean)
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+    return [{"buffers": {n: b.clone() for n, b in m.named_buffers()},
+             "params": {n: p.detach().clone() for n, p in m.named_parameters()}}
+            for m in replicas]  # fmt: skip
+
+
+def _batch_norm_run(rank: int, world: int) -> dict:
+    """Each rank trains on its rows; then one more training forward on the same rows on every
+    rank: it starts from rank 0's buffers, so every rank ends with the same ones."""
+    model = _bn_model()
+    rows = slice(rank * BN_ROWS, (rank + 1) * BN_ROWS)
+    data = _bn_batches(world)
+    engine = fxstar.compile(model, Plan.from_dict(BN_PLAN),
+                            example_inputs=(data[0][0][rows], data[0][1][rows]))  # fmt: skip
+    for x, y in data:
+        engine(x[rows], y[rows]).backward()
+        engine.step()
+    trained = {n: b.clone() for n, b in model.named_buffers()}
+    # engine.state_dict: with sharded payloads another rank's parameters are meta here
+    state = engine.state_dict()
+    params = {n: state[n].clone() for n, _ in model.named_parameters()}
+    x, y = data[-1]
+    engine(x[:BN_ROWS], y[:BN_ROWS])  # the same rows everywhere
+    engine.zero_grad(set_to_none=True)
+    again = {n: b.clone() for n, b in model.named_buffers()}
+    return {"trained": trained, "params": params, "again": again}
+
+
+FP16_PLAN = {**CHUNKS, "precision": "fp16", "optimizer": {"lr": 1e-2},
+             "loss_scale": {"initial_scale_power": 8, "hysteresis": 1}}  # fmt: skip
+# (a scale that does not overflow on its own; one overflow halves it)
+
+
+def _fp16_overflow_run(rank: int, world: int) -> dict:
+    """fp16: at step 1 rank 1 alone writes an inf into one gradient of a chunk it owns (so no
+    other rank sees it through the reduction); every rank must skip that step."""
+    model = gpt()
+    data = batches(world)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    engine = fxstar.compile(model, Plan.from_dict(FP16_PLAN),
+                            example_inputs=(data[0][0][rows], data[0][1][rows]))  # fmt: skip
+    manager = engine.chunks
+    losses, stepped, scales, snapshots = [], [], [], []
+    for step, (ids, targets) in enumerate(data[:STEPS]):
+        loss = engine(ids[rows], targets[rows])
+        loss.backward()
+        if step == 1 and rank == 1:
+            owned = next(s for c in manager.chunks if manager.owns(c.id) for s in c.slots
+                         if manager.slot_grad(s) is not None)  # fmt: skip
+            manager.grad_view(owned).view(-1)[0] = float("inf")
+        scales.append(engine.scaler.scale)
+        stepped.append(engine.step())
+        losses.append(loss.item())
+        state = engine.state_dict()  # collective: every rank's chunks, in fp32
+        snapshots.append({n: state[n].clone() for n, _ in model.named_parameters()})
+    return {"losses": losses, "stepped": stepped, "scales": scales, "snapshots": snapshots,
+            "skipped": engine.optimizer.skipped_steps}  # fmt: skip
+
+
+def _dp_extras_worker(rank: int, world: int) -> dict:
+    return {"bn": _batch_norm_run(rank, world), "fp16": _fp16_overflow_run(rank, world)}
+
+
+def test_batch_norm_buffers_fp16_overflow_agreement_at_world_2():
+    """BatchNorm: every training forward starts from rank 0's buffers (DDP's broadcast_buffers):
+    buffers and parameters match a DDP simulation in eager torch, and a forward on the same
+    rows leaves every rank with identical buffers. fp16: an overflow on one rank only makes
+    every rank skip that step; the replicas stay bitwise one model."""
+    world = 2
+    results = spawn(_dp_extras_worker, world)
+    oracle = _bn_ddp_oracle(world)
+    for rank, r in enumerate(results):
+        bn = r["bn"]
+        for n, want in oracle[rank]["buffers"].items():
+            torch.testing.assert_close(bn["trained"][n], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=n, k=rank: f"rank {k} {n}: {m}")  # fmt: skip
+        for n, want in oracle[rank]["params"].items():
+            torch.testing.assert_close(bn["params"][n], want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=n, k=rank: f"rank {k} {n}: {m}")  # fmt: skip
+        for n, p in results[0]["bn"]["params"].items():
+            assert torch.equal(bn["params"][n], p), f"BatchNorm parameter {n} differs on {rank}"
+        for n, b in results[0]["bn"]["again"].items():
+            assert torch.equal(bn["again"][n], b), f"buffer {n} differs on rank {rank}"
+    # without the broadcast the ranks' statistics would be their own rows' (they differ)
+    mean = "bn.running_mean"
+    assert not torch.equal(results[0]["bn"]["trained"][mean], results[1]["bn"]["trained"][mean])
+    assert int(results[1]["bn"]["again"]["bn.num_batches_tracked"]) == STEPS + 1
+
+    first, second = (r["fp16"] for r in results)
+    for run in (first, second):
+        assert run["stepped"] == [True, False, True] and run["skipped"] == 1
+        assert run["scales"][2] == run["scales"][1] / 2  # the scaler backed off on every rank
+        for n, p in run["snapshots"][0].items():  # the skipped step left the weights alone
+            assert torch.equal(run["snapshots"][1][n], p), n
+    assert first["scales"] == second["scales"]
+    for step in range(STEPS):
+        for n, p in first["snapshots"][step].items():
+            assert torch.equal(second["snapshots"][step][n], p), f"step {step}: {n}"
