@@ -242,7 +242,7 @@ def run_world(world: int) -> None:
         assert info["host_bytes"] <= serial["host_bytes"] / world + chunk
         assert info["remote"] == info["chunks"] - info["chunks"] // world
         # gradients reduced during backward: at most two groups staged, not the model
-        assert 0 < info["staging"] <= 2 * world * chunk < serial["host_bytes"]
+        assert 0 < info["staging"] <= 2 * world * chunk
         assert 0 < r["fp32 mem_saving_comm"]["info"]["staging"] <= 2 * chunk
         assert r["fp32 replicated"]["info"]["host_bytes"] == serial["host_bytes"]
         assert r["fp32 replicated"]["info"]["remote"] == 0
