@@ -44,6 +44,7 @@ from fxstar.runtime import agreement, ops
 from fxstar.runtime import dist as tp
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.data_parallel import ChunkGroups
+from fxstar.runtime.grad_norm import GradNorm
 from fxstar.runtime.host import give_back_freed
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
@@ -452,6 +453,7 @@ class Engine(nn.Module):
                     # without a device_memory the budget is made up: no margin to plan from
                     hybrid=self.plan.hybrid_adam and self.plan.device_memory is not None,
                     margin_use_ratio=self.plan.margin_use_ratio,
+                    norm=self._grad_norm(own_chunks=True),
                 )  # fmt: skip
             elif self.chunks is not None and self.chunks.low_precision:
                 raise PlanError(
@@ -486,11 +488,36 @@ class Engine(nn.Module):
             groups = self.chunks.data_parallel if self.chunks is not None else None
             if groups is not None:  # every rank steps every parameter: all get the average
                 groups.average([p.grad for p in self.parameters() if p.grad is not None])
-            if opt.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(list(self.parameters()), opt.clip_grad_norm)
+            if opt.clip_grad_norm is not None:  # every rank has whole averaged gradients
+                self._clip(opt.clip_grad_norm, self._grad_norm(own_chunks=False))
             stepped = optimizer.step() is not False
         self.zero_grad(set_to_none=True)
         return stepped
+
+    def _grad_norm(self, *, own_chunks: bool) -> GradNorm:
+        """How this rank's partial sums of squares make the model's (runtime/grad_norm.py):
+        the shards tensor parallelism split are summed over its ranks; with `own_chunks`
+        (HybridAdam under data parallelism) every sum over the data-parallel ranks too."""
+        sharded = set()
+        for program in self.programs.values():
+            if program.decisions.tp_sharding is not None:
+                sharded |= program.decisions.tp_sharding.params
+        tensors = self.store.tensors()
+        groups = self.chunks.data_parallel if self.chunks is not None else None
+        return GradNorm(self.shared.get(TP_GROUP), [tensors[n] for n in sharded if n in tensors],
+                        groups.group if own_chunks and groups is not None else None)  # fmt: skip
+
+    def _clip(self, max_norm: float, norm: GradNorm) -> None:
+        """torch's clip_grad_norm_ by the model's norm (a tensor-parallel rank holds shards)."""
+        params = [p for p in self.parameters() if p.grad is not None]
+
+        def sum_sq(grads: list[torch.Tensor]) -> float:
+            return sum(float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+                       for g in grads)  # fmt: skip
+
+        shards, rest = norm.split((p, p.grad) for p in params)
+        total, _ = norm.decide(sum_sq(shards), sum_sq(rest), True)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total**0.5))
 
     def gradients(self) -> dict[str, torch.Tensor | None]:
         """This step's gradient of every parameter under the model's names: parts a pass cut

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import fx
 
 from fxstar.dump import note
-from fxstar.errors import OptionNotImplementedError
 from fxstar.mesh import mesh_layout
 from fxstar.passes import Pass, register
 from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
@@ -87,27 +86,6 @@ def _local_val(val: Any, dim: int, n: int) -> Any:
     return _shaped_val(val, tuple(shape))
 
 
-def _refuse_rank_local_decisions(plan: Any) -> None:
-    """Gradient clipping and fp16's overflow check decide from every gradient of the model.
-    The optimizers sum the squares of the gradients a rank holds: under tensor parallelism
-    those are shards, so each rank would clip by (and skip on) a norm of its own, and the
-    replicated weights (norms, embeddings) would drift apart across the ranks without a
-    word. Until the norm is summed over the shards (replicated weights counted once), both
-    are refused."""
-    what = []
-    if plan.optimizer.clip_grad_norm is not None:
-        what.append(f"optimizer.clip_grad_norm ({plan.optimizer.clip_grad_norm:g})")
-    if plan.precision == "fp16":
-        what.append("precision 'fp16' (dynamic loss scaling)")
-    if what:
-        raise OptionNotImplementedError(
-            f"{' and '.join(what)} under tensor parallelism: the gradient norm and the "
-            "overflow check would be each rank's own (its shards), so ranks would clip or skip "
-            "differently and the replicated weights would diverge; drop clip_grad_norm and use "
-            "precision 'bf16' or 'fp32' with tensor_parallel"
-        )
-
-
 @register
 class TensorParallel(Pass):
     """Rewrite: sharded linears, per-rank shapes and collectives as graph nodes."""
@@ -142,7 +120,6 @@ class TensorParallel(Pass):
                 f"plan.tensor_parallel.size is {config.size} but the engine's tensor-parallel "
                 f"group has {ranks} ranks; they must be equal"
             )
-        _refuse_rank_local_decisions(program.plan)
         if program.plan.verify:
             raise TPShardingError(
                 "plan.verify compares each stage with a single-process run on full tensors; a "
@@ -207,6 +184,7 @@ class _Rewrite:
             _consolidate(dim, parts, self.group),
         )
         (full_name,) = parts_made
+        self.sharding.params.add(full_name)
         old = self.nodes[node_name]
         new = self.program.add_input("parameter", full_name, f"{old.name}_tp")
         new.meta.update(old.meta)

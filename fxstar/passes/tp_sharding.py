@@ -141,6 +141,9 @@ class Sharding:
     vocab_off: str = ""  # why the head stays whole, when it does
     rank_random: list[str] = field(default_factory=list)  # dropouts on splits: own stream
     seq_random: list[str] = field(default_factory=list)  # dropouts on token blocks
+    # the parameters split across the ranks, by their fed names (the rewrite derives their
+    # shards): the gradient norm sums these over the ranks, the others once (grad_norm.py)
+    params: set[str] = field(default_factory=set)
 
     def site(self, output: str) -> LinearSite:
         return next(s for s in self.sites if s.output == output)

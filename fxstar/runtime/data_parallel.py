@@ -13,7 +13,7 @@ chunks: HybridAdam steps those alone. At the stepping micro-batch, before the up
 - which parameters got a gradient is agreed first (a max all-reduce of one flag a slot), so a
   parameter one rank did not use still gets the others' share;
 - the global decisions of the step (the clip norm's sum of squares, fp16 overflow) are summed
-  across ranks (`agree_stats`), so every rank clips alike and skips the same steps.
+  across ranks (runtime/grad_norm.py), so every rank clips alike and skips the same steps.
 
 After the update, `share_updates` sends each owner's updated fp32 parameters to the others (an
 all-gather of each group, or with `mem_saving` N broadcasts straight into the homes); the
@@ -147,14 +147,6 @@ class ChunkGroups:
         with self._guard("agreeing which parameters got gradients"):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
         return flags.bool()
-
-    def agree_stats(self, sum_sq: float, finite: bool) -> tuple[float, bool]:
-        """The step's global decision over every rank's own chunks: the summed squares and
-        whether every gradient is finite."""
-        stats = torch.tensor([sum_sq, 0.0 if finite else 1.0], dtype=torch.float64)
-        with self._guard("summing the gradient norm and overflow"):
-            dist.all_reduce(stats, group=self.pg)
-        return float(stats[0]), bool(stats[1] == 0)
 
     def _one_per_owner(self, tensors: list[torch.Tensor], collective, what: str) -> None:
         """`collective(tensor, owner)` for each tensor of a group, in place: one chunk's room

@@ -32,6 +32,7 @@ import torch
 
 from fxstar.runtime import cpu_adam
 from fxstar.runtime.chunks import ChunkManager
+from fxstar.runtime.grad_norm import GradNorm
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
@@ -58,6 +59,7 @@ class HybridAdam(torch.optim.Optimizer):
         hybrid: bool = True,
         margin_use_ratio: float = 0.8,
         device_kernel: str = "auto",
+        norm: GradNorm | None = None,
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.manager = manager
@@ -74,6 +76,9 @@ class HybridAdam(torch.optim.Optimizer):
         if device_kernel == "auto":  # a CPU compute tier is best served by the C++ kernel
             device_kernel = "cpu" if manager.device.type == "cpu" else "torch"
         self.device_kernel = device_kernel
+        # the model's norm from this rank's partial sums (tensor and data parallel)
+        groups = manager.data_parallel
+        self.norm = norm or GradNorm(data_parallel=groups.group if groups is not None else None)
         self._placed = False  # the device half is chosen at the first training step
         self.device_chunks: list[int] = []
         # data parallel: the rank's own chunks only (runtime/data_parallel.py)
@@ -197,6 +202,26 @@ class HybridAdam(torch.optim.Optimizer):
             finite = finite and math.isfinite(value)
         return sum_sq, finite
 
+    def _split_stats(self, runs: list, grads: list[torch.Tensor]) -> tuple[float, float, bool]:
+        """The sums of squares of the shards' gradients and of the others', and finiteness."""
+        if not self.norm.sharded:  # no tensor parallelism: one pass over the runs
+            sum_sq, finite = self._grad_stats(grads)
+            return 0.0, sum_sq, finite
+        pairs = []
+        for (params, _, span, _), grad in zip(runs, grads, strict=True):
+            if span is None or len(params) == 1:
+                pairs.append((params[0], grad))
+                continue
+            flat, at = grad.reshape(-1), 0  # a run: its parameters back to back
+            for param in params:
+                numel = self._slots[id(param)].numel
+                pairs.append((param, flat[at : at + numel]))
+                at += numel
+        shards, replicated = self.norm.split(pairs)
+        shard_sq, shards_finite = self._grad_stats(shards)
+        replicated_sq, replicated_finite = self._grad_stats(replicated)
+        return shard_sq, replicated_sq, shards_finite and replicated_finite
+
     @torch.no_grad()
     def step(self, closure=None) -> bool:
         """One update of every parameter that has a gradient; False when an overflow skipped
@@ -229,9 +254,8 @@ class HybridAdam(torch.optim.Optimizer):
         if self.scaler is not None or self.clip_grad_norm is not None or self.track_grad_norm:
             # the global decision; without clipping or fp16 nothing needs it (torch's fused
             # AdamW does not read the gradients twice either)
-            sum_sq, finite = self._grad_stats(grads)
-            if groups is not None:  # over every rank's own chunks: all clip and skip alike
-                sum_sq, finite = groups.agree_stats(sum_sq, finite)
+            # over every rank's own chunks and shards: all clip and skip alike
+            sum_sq, finite = self.norm.decide(*self._split_stats(runs, grads))
             scale = self.scaler.scale if self.scaler is not None else 1.0
             if self.scaler is not None:
                 self.scaler.update(overflow=not finite)

@@ -1,0 +1,62 @@
+"""The model's gradient norm and overflow, where each rank holds part of the gradients.
+
+Clipping and fp16's overflow check decide from every gradient of the model, and every rank
+must decide alike. Under tensor parallelism a rank holds shards of the split parameters and
+whole copies of the replicated ones (norms, row linears' biases, embeddings left whole);
+under data parallelism HybridAdam sees the rank's own chunks only. The model's sum of
+squares is the shards' summed over the tensor-parallel group plus the replicated ones
+counted once, each first summed over the data-parallel ranks (whose own chunks partition the
+model); an overflow on any rank is everyone's. Summing a rank's shards alone made each rank
+clip by (and skip on) a norm of its own, and the replicated weights drifted apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from fxstar.runtime import tp_group as tp
+
+__all__ = ["GradNorm"]
+
+
+class GradNorm:
+    """Turns a rank's partial sums of squares into the model's, on every rank alike."""
+
+    def __init__(
+        self,
+        tensor_parallel: tp.TPGroup | None = None,
+        sharded: Iterable[torch.Tensor] = (),
+        data_parallel: tp.TPGroup | None = None,
+    ):
+        self.tensor_parallel = tensor_parallel
+        # the parameters split across the tensor-parallel ranks (the engine's own tensors)
+        self.sharded = {id(p) for p in sharded}
+        self.data_parallel = data_parallel  # set when each rank sums its own chunks only
+
+    def split(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, list]:
+        """The gradients (of (parameter, gradient) pairs) of shards, and of the rest."""
+        shards, replicated = [], []
+        for param, grad in pairs:
+            (shards if id(param) in self.sharded else replicated).append(grad)
+        return shards, replicated
+
+    def decide(self, shard_sq: float, replicated_sq: float, finite: bool) -> tuple[float, bool]:
+        """The model's sum of squares and whether every gradient of every rank is finite."""
+        stats = torch.tensor([shard_sq, replicated_sq, 0.0 if finite else 1.0],
+                             dtype=torch.float64)  # fmt: skip
+        if self.data_parallel is not None:  # the ranks' own chunks partition the model
+            with tp.guard("summing the gradient norm and overflow (data parallel)",
+                          self.data_parallel):  # fmt: skip
+                dist.all_reduce(stats, group=tp.process_group(self.data_parallel))
+        if self.tensor_parallel is not None:
+            partial = stats[[0, 2]].clone()  # the replicated part is the same on every rank
+            with tp.guard("summing the gradient norm and overflow (tensor parallel)",
+                          self.tensor_parallel):  # fmt: skip
+                dist.all_reduce(partial, group=tp.process_group(self.tensor_parallel))
+            stats[0], stats[2] = partial[0], partial[1]
+        total = float(stats[0] + stats[1])
+        return total, bool(stats[2] == 0) and math.isfinite(total)
