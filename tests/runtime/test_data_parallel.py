@@ -24,7 +24,7 @@ from fxstar.dist_launch import spawn
 from fxstar.errors import CollectiveError
 from fxstar.plan import Plan
 
-STEPS = 3
+STEPS = 5  # the issue's: 5 steps at world 2 and 4
 PER_RANK = 2  # sequences per rank and step
 
 
@@ -893,7 +893,7 @@ def test_batch_norm_buffers_fp16_overflow_agreement_at_world_2():
 
     first, second = (r["fp16"] for r in results)
     for run in (first, second):
-        assert run["stepped"] == [True, False, True] and run["skipped"] == 1
+        assert run["stepped"] == [True, False] + [True] * (STEPS - 2) and run["skipped"] == 1
         assert run["scales"][2] == run["scales"][1] / 2  # the scaler backed off on every rank
         for n, p in run["snapshots"][0].items():  # the skipped step left the weights alone
             assert torch.equal(run["snapshots"][1][n], p), n
