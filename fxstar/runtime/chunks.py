@@ -509,7 +509,7 @@ class ChunkManager:
                 f"gradient copies: {st.grad_copy_seconds:.3f}s, {overlap:.0%} hidden behind "
                 f"backward ({st.grad_wait_seconds:.3f}s waited at its end)"
             )
-        fixed = [c.id for c in self.chunks if c.fixed]
+        fixed = [c.id for c in self.chunks if c.fixed and not c.remote]
         if fixed:
             lines.append(
                 f"kept on the compute tier with their optimizer state: {len(fixed)} chunks "

@@ -63,6 +63,7 @@ class ChunkGroups:
         self.bytes_sent = 0  # bytes of the input tensors this rank handed to collectives
         self.bytes_fetched = 0  # sharded: payload bytes that came from their owner
         self.peak_staging_bytes = 0  # sharded: the most gradient staging held at once
+        self.kept: list[int] = []  # sharded: chunks every rank keeps on the compute tier
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.size
@@ -78,7 +79,9 @@ class ChunkGroups:
         if self.sharded:
             way = ("payloads sharded: a chunk fetched from its owner by a broadcast into the "
                    "arena, gradients reduced to it during backward "
-                   + ("chunk by chunk" if self.mem_saving else "group by group"))  # fmt: skip
+                   + ("chunk by chunk" if self.mem_saving else "group by group")
+                   + (f"; {len(self.kept)} chunks kept on the compute tier by every rank"
+                      if self.kept else ""))  # fmt: skip
         else:
             way = ("N reduces and N broadcasts in place" if self.mem_saving
                    else "reduce-scatter and all-gather over a group buffer")  # fmt: skip
@@ -333,10 +336,23 @@ class ChunkGroups:
     def updated(self, manager: ChunkManager) -> None:
         """Sharded, after the update: every trainable chunk counts as changed on every rank
         (the owners stepped theirs), so every rank drops its copy at the same access and
-        fetches the new values from the owner."""
+        fetches the new values from the owner; a kept one (the device half, group-wide) gets
+        them now, broadcast from its owner into every rank's copy."""
         for spec in manager.layout.chunks:
-            if spec.trainable:
+            chunk = manager.chunks[spec.id]
+            if chunk.fixed and chunk.used:
+                self.fetch(chunk.id, manager.chunk_view(chunk)[: chunk.used])
+                if chunk.remote:
+                    manager.compute_updated(chunk.id)  # saved views of it are stale now
+            elif spec.trainable:
                 manager.host_updated(spec.id)
+
+    def least(self, value: int) -> int:
+        """The smallest `value` of any rank (a margin every rank has)."""
+        least = torch.tensor([value], dtype=torch.int64)
+        with self._guard("agreeing the device half's margin"):
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.pg)
+        return int(least)
 
     def start_alike(self, manager: ChunkManager) -> None:
         """After the homes were filled: every replica starts as rank 0's."""

@@ -237,12 +237,7 @@ class HybridAdam(torch.optim.Optimizer):
                 groups.reduce_to_owners(self.manager)
             groups.average(self._loose_grads())
         if self.hybrid and not self._placed:  # the traced forward and backward measured it
-            if groups is not None and groups.sharded:
-                # a kept chunk would be resident on its owner only, and every load of a
-                # sharded chunk is collective: the device half waits for a group-wide rule
-                self._placed = True
-            else:
-                self._place()
+            self._place()
         self._host_moments()
         runs = self._runs()
         # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
@@ -353,37 +348,72 @@ class HybridAdam(torch.optim.Optimizer):
         uses: dict[int, int] = {}
         for moment in moments:
             uses[moment.chunk] = uses.get(moment.chunk, 0) + 1
+        groups = manager.data_parallel
+        if groups is not None and groups.sharded:
+            self._keep_groups(uses, per_chunk)
+            return
         trainable = [c.id for c in manager.chunks if c.host_grad is not None
                      and manager.owns(c.id)]  # fmt: skip
         ranked = sorted(trainable, key=lambda c: (-uses.get(c, 0), c))
         self._keep(ranked[: manager.margin(self.margin_use_ratio) // per_chunk])
 
+    def _keep_groups(self, uses: dict[int, int], per_chunk: int) -> None:
+        """Sharded payloads: every load is collective, so the ranks keep whole chunk groups,
+        all alike: each holds the group's N payloads on the compute tier for good and, for
+        its own chunk, the gradient, moments and master beside it (its step runs there); the
+        owners' updates reach the others by a broadcast after each step. The margin is the
+        least any rank has; groups with a frozen or padding chunk are not kept (the ranks'
+        reserved bytes would differ, and with them their eviction choices)."""
+        manager = self.manager
+        groups = manager.data_parallel
+        lay = manager.layout
+        margin = groups.least(manager.margin(self.margin_use_ratio))
+        per_group = (groups.size - 1) * lay.chunk_bytes + per_chunk
+        whole = [g for g in groups.groups(manager.chunks)
+                 if all(lay.chunks[c.id].trainable for c in g)]  # fmt: skip
+        ranked = sorted(whole, key=lambda g: (-sum(uses.get(c.id, 0) for c in g), g[0].id))
+        self._placed = True
+        chosen = ranked[: margin // per_group]
+        if chosen:  # every rank from the same resident set: their loads below pair up
+            manager.residency.drop_unused()
+        for group in chosen:
+            for chunk in group:
+                if chunk.remote:
+                    manager.fix(chunk.id)  # its payload, fetched from the owner, stays
+                else:  # a fragmented arena raises here (the others then time out, named)
+                    self._keep_one(chunk.id)
+            groups.kept.extend(c.id for c in group)
+
     def _keep(self, chunk_ids: list[int]) -> None:
         """Keep these chunks on the compute tier with their moments beside them."""
         self._placed = True
-        manager, n = self.manager, self.manager.layout.chunk_size
         for chunk_id in chunk_ids:
-            reserved = len(manager.reserved)
+            reserved = len(self.manager.reserved)
             try:
-                moments = manager.reserve(2 * n * 4, torch.float32)
-                manager.fix(chunk_id)
+                self._keep_one(chunk_id)
             except MemoryError:  # the arena is fragmented: keep the rest on the host
-                manager.unreserve(len(manager.reserved) - reserved)
+                self.manager.unreserve(len(self.manager.reserved) - reserved)
                 break
-            chunk = manager.chunks[chunk_id]
-            if any(c is chunk for c in self._without_moments):  # no host moments: fresh here
-                self._set_moments(chunk, moments[:n], moments[n:])
-                self.device_chunks.append(chunk_id)
+
+    def _keep_one(self, chunk_id: int) -> None:
+        """Keep one chunk on the compute tier, its moments beside it (MemoryError when the
+        arena has no block for them)."""
+        manager, n = self.manager, self.manager.layout.chunk_size
+        moments = manager.reserve(2 * n * 4, torch.float32)
+        manager.fix(chunk_id)
+        chunk = manager.chunks[chunk_id]
+        self.device_chunks.append(chunk_id)
+        if any(c is chunk for c in self._without_moments):  # no host moments: fresh here
+            self._set_moments(chunk, moments[:n], moments[n:])
+            return
+        for slot in chunk.slots:
+            state = self.state.get(manager.stable[slot.name])
+            if state is None:
                 continue
-            for slot in chunk.slots:
-                state = self.state.get(manager.stable[slot.name])
-                if state is None:
-                    continue
-                part = slice(slot.offset, slot.offset + slot.numel)
-                for key, moment in (("exp_avg", moments[:n]), ("exp_avg_sq", moments[n:])):
-                    moment[part].copy_(state[key].reshape(-1))
-                    state[key] = moment[part].view(slot.shape)  # the host buffer is let go
-            self.device_chunks.append(chunk_id)
+            part = slice(slot.offset, slot.offset + slot.numel)
+            for key, moment in (("exp_avg", moments[:n]), ("exp_avg_sq", moments[n:])):
+                moment[part].copy_(state[key].reshape(-1))
+                state[key] = moment[part].view(slot.shape)  # the host buffer is let go
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's, plus which chunks are kept on the compute tier: a resumed run updates
@@ -396,6 +426,9 @@ class HybridAdam(torch.optim.Optimizer):
         """Torch's loading replaces state tensors; copy the values into the chunks instead."""
         state_dict = dict(state_dict)
         device_chunks = state_dict.pop("fxstar_device_chunks", None)
+        groups = self.manager.data_parallel
+        if groups is not None and groups.sharded:  # kept group-wide: chosen at the next step
+            device_chunks = None
         if self.hybrid and device_chunks is not None and not self._placed:
             self._keep(device_chunks)
         self._host_moments()  # the chunk-long moments the loaded values go into

@@ -94,6 +94,15 @@ class Reservations:
         chunk = residency.chunks[chunk_id]
         if chunk.fixed:
             return
+        if chunk.remote:  # another rank's (sharded payloads): its fetched payload stays
+            if not chunk.resident:
+                residency.drop_unused()
+                offset = residency.take_block()
+                if offset is None:
+                    raise ChunkBudgetError(f"no arena block left to keep chunk {chunk_id} in")
+                residency.load(chunk, offset, ChunkState.HOLD)
+            chunk.fixed = True
+            return
         n = layout.chunk_size
         grad = None
         if chunk.host_grad is not None:

@@ -96,12 +96,22 @@ CASES = {
     "cpu_embedding": ({**CHUNKS, "cpu_embedding": True, "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
     "dropout": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt", 0.1),
     # room to spare: HybridAdam keeps some of each rank's own chunks on the compute tier
+    # (sharded: whole groups on every rank; at this budget some of the groups)
     "hybrid keeps chunks": (
+        {
+            "chunk_size": 4096,
+            "device_memory": "650KiB",
+            "optimizer": {"lr": 1e-2, "clip_grad_norm": 0.5},
+        },
+        "gpt",
+        0.0,
+    ),
+    "hybrid keeps chunks replicated": (
         {
             "chunk_size": 4096,
             "device_memory": "8MiB",
             "optimizer": {"lr": 1e-2, "clip_grad_norm": 0.5},
-            "data_parallel_shard": "optimizer",  # the device half keeps replicated payloads
+            "data_parallel_shard": "optimizer",
         },
         "gpt",
         0.0,
@@ -251,6 +261,12 @@ def run_world(world: int) -> None:
     assert results[0]["fp32"]["info"]["peak_buffer"] > 0
     assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
     assert all(r["hybrid keeps chunks"]["info"]["kept"] > 0 for r in results)
+    assert all(r["hybrid keeps chunks replicated"]["info"]["kept"] > 0 for r in results)
+    # sharded: whole groups, kept by every rank alike
+    assert (
+        "chunks kept on the compute tier by every rank"
+        in (results[0]["hybrid keeps chunks"]["info"]["report"])
+    )
     assert results[0]["cpu_embedding"]["info"]["host_embeddings"] == ["wpe.weight"]
 
 
