@@ -14,6 +14,7 @@ eval mode (dropout off) is a separate capture.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -103,6 +104,7 @@ class Engine(nn.Module):
                 "engine.load)"
             )
         self._weights_line: str | None = None
+        self._local_depth = 0  # inside _local_state_dicts: the model's own, not gathered
         # under torchrun: the replicas this process is one of (runtime/data_parallel.py)
         self.data_parallel_size = data_parallel_size(plan)
         self.device = placement.place(model, plan)  # the compute device (None: the model's)
@@ -331,6 +333,8 @@ class Engine(nn.Module):
             masters.update(self.store.cut(name, p.detach()))
         placement.check_host_budget(self.plan, program.decisions.chunk_plan)
         self.chunks = self._chunk_manager(program, self.store.tensors(), masters)
+        if self.chunks.sharded:
+            self._gather_in_state_dicts()
         slots = self.chunks.layout.slots()
         own = dict(self.model.named_parameters(remove_duplicate=False))
         if self.chunks.low_precision:  # parameters kept on the host: their fp32 masters
@@ -363,9 +367,11 @@ class Engine(nn.Module):
         follow."""
         if self._weights is None or self._weights_line is not None or self.chunks is None:
             return
-        self._weights_line = placement.fill(self.model, self._weights, self._unfilled_buffers,
-                                            sharded=self.chunks.sharded,
-                                            everywhere=self.plan.release_after_init)  # fmt: skip
+        with self._local_state_dicts():  # its names only: nothing gathered
+            self._weights_line = placement.fill(
+                self.model, self._weights, self._unfilled_buffers, sharded=self.chunks.sharded,
+                everywhere=self.plan.release_after_init,
+            )  # fmt: skip
         self.chunks.masters_written()
         if self.traced is not self.model:  # the low-precision copy's buffers, from the model's
             own = dict(self.model.named_buffers())
@@ -612,14 +618,49 @@ class Engine(nn.Module):
 
     def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The model's keys, shapes and dtypes, whatever passes (or bf16/fp16, whose traced
-        copy holds low-precision buffers) did to the tensors."""
+        copy holds low-precision buffers) did to the tensors. Collective under tensor
+        parallelism and with sharded data-parallel payloads (the others' values gathered)."""
         full = None
         if self.chunks is not None and self.chunks.sharded:  # other ranks' chunks: collective
             full = self.chunks.data_parallel.full_parameters(self.chunks)
-        # remote chunks' values filled in before tensor-parallel shards are glued (2-D mesh)
-        state = self.store.state_dict(full)
-        own = {k: v.dtype for k, v in self.model.state_dict().items()}
+        with self._local_state_dicts():
+            # remote chunks' values filled in before tensor-parallel shards are glued (2-D mesh)
+            state = self.store.state_dict(full)
+            own = {k: v.dtype for k, v in self.model.state_dict().items()}
         return {prefix + k: v.to(own.get(k, v.dtype)) for k, v in state.items()}
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state dict without a collective: with sharded data-parallel payloads
+        the other ranks' chunks are meta tensors (their names and shapes)."""
+        with self._local_state_dicts():
+            return self.store.state_dict()
+
+    @contextlib.contextmanager
+    def _local_state_dicts(self) -> Iterator[None]:
+        """The model's state_dict() as it is here: no gathering by the hook below."""
+        self._local_depth += 1
+        try:
+            yield
+        finally:
+            self._local_depth -= 1
+
+    def _gather_in_state_dicts(self) -> None:
+        """Sharded payloads: the model's own `state_dict()` (what a training script saves)
+        gathers the other ranks' chunks too, as `engine.state_dict()` does (collective: every
+        rank calls it), instead of handing out meta tensors that would save no values."""
+        engine = weakref.ref(self)
+
+        def gather(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+            self = engine()
+            if self is None or self._local_depth or self.chunks is None:
+                return
+            remote = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
+            if remote:
+                full = self.state_dict()
+                for key in remote:
+                    state[key] = full[key[len(prefix) :]]
+
+        self.model.register_state_dict_post_hook(gather)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -394,7 +394,7 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
     tmp = Path(box[0])
     try:
         if sharded or rank == 0:
-            state = engine.store.state_dict() if sharded else engine.state_dict()
+            state = engine.local_state_dict() if sharded else engine.state_dict()
             names = dict(engine.model.named_parameters(remove_duplicate=False))
             mine = {k: v for k, v in state.items()  # sharded: meta are other ranks' chunks
                     if not v.is_meta and (rank == 0 or k in names)}  # fmt: skip
@@ -774,7 +774,7 @@ class Checkpoint:
         # collective under tensor parallelism (the parameters are gathered): every rank is here;
         # sharded payloads: names and shapes suffice (other ranks' chunks are meta here)
         sharded = engine.chunks is not None and engine.chunks.sharded
-        self.check(engine.store.state_dict() if sharded else engine.state_dict())
+        self.check(engine.local_state_dict() if sharded else engine.state_dict())
         rank = _rank(engine) if ranks != 1 and _ranks(engine) == ranks else 0
         if rank != 0 and _resharded(self.meta):  # consolidated: only the RNG is its own
             state = {**state, "rng": self.rank_rngs[rank]}

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from fxstar.dump import note
 from fxstar.errors import FxstarError
+from fxstar.mesh import sharded_payloads
 from fxstar.passes import Pass, register
 from fxstar.passes.activation_checkpoint import region_calls, region_inputs
 from fxstar.passes.chunk_layout import (
@@ -414,10 +416,27 @@ class ChunkSchedule(Pass):
         layout: ChunkLayout = program.decisions.chunk_layout
         program.decisions.chunk_fetches = fetches = decide(program, layout)
         original = rewrite(program, layout, fetches)
+        if layout.ranks > 1:
+            note_owners(program, layout)
         access = access_plan(program.graph_module, layout, original)
         check_budget(access, layout, program)
         program.decisions.chunk_plan = chunk_plan(program, layout, access)
         return program
+
+
+def note_owners(program: Program, layout: ChunkLayout) -> None:
+    """Data parallel: each fetch node names its chunk's owner in the dump, and what a load
+    of it does (sharded payloads: a broadcast from the owner; its gradients reduced to the
+    owner during backward, runtime/grad_shards.py)."""
+    sharded = sharded_payloads(program.plan)
+    for module in program.graph_module.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is ops.fetch:
+                owner = layout.owner(node.args[1])
+                note(node, "dp", f"owner rank {owner}"
+                     + (": broadcast from it when loaded" if sharded else ""))  # fmt: skip
 
 
 def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> ChunkPlan:
