@@ -20,7 +20,11 @@ The column and row linears follow nanotron's (PR #208, #172): sync or async comm
 and keep or recompute the gathered input. Recompute saves only the rank's shard for backward
 and re-gathers it into one reusable buffer (any device), overlapped with grad_input.
 `mem_saving=True` swaps the collectives for PatrickStar's: N broadcasts for an all-gather and
-N reduces through one scratch buffer for a reduce-scatter.
+N reduces through one scratch buffer for a reduce-scatter. In the sequence-parallel linears
+it goes further: the gathered input (column) and the gathered gradient (row) never exist;
+each rank's block is broadcast into one block-sized buffer and used at once, and each
+partial sum is made one block at a time and reduced to its rank, so a linear's
+communication buffers are two blocks, not an N-block gather.
 
 Process groups: an engine runs its collectives on a group of its own, a `TPGroup` the graph
 holds (`runtime/tp_group.py`: its timeout makes a stopped peer a `CollectiveError`, not a
@@ -30,7 +34,7 @@ default group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -164,6 +168,16 @@ class Collectives:
             return []
 
         return self._issue("reduce_scatter (as reduces)", reduces)
+
+    def broadcast(self, x: torch.Tensor, src: int) -> None:
+        """x becomes rank `src`'s x (a group rank), in place."""
+        pg, root = self.pg, global_rank(self.group, src)
+        self._issue("broadcast", lambda: [dist.broadcast(x, root, group=pg)]).wait()
+
+    def reduce(self, x: torch.Tensor, dst: int) -> None:
+        """Rank `dst`'s x becomes the sum of every rank's (gloo overwrites the others')."""
+        pg, root = self.pg, global_rank(self.group, dst)
+        self._issue("reduce", lambda: [dist.reduce(x, root, group=pg)]).wait()
 
     def all_reduce(
         self, x: torch.Tensor, async_op: bool = False, op: Any = dist.ReduceOp.SUM
@@ -380,6 +394,14 @@ class _ColumnLinear(torch.autograd.Function):
         n, rank = comm.world, comm.rank
         x = x.contiguous()
         shape = full_shape(x.shape, n)
+        if comm.mem_saving:  # block by block: the gathered input never exists
+            ctx.save_for_backward(x, weight)
+            out_features = weight.shape[1] if transposed else weight.shape[0]
+            y = x.new_empty((*shape[:-1], out_features))
+            outs = _blocks(y, n)
+            for src, block in _each_block(x, comm):
+                _matmul(block.view(-1, x.shape[-1]), weight, bias, transposed, out=outs[src])
+            return y
         gathered = comm.buffers.get("gather", shape, x) if recompute else x.new_empty(shape)
         if async_comm:  # own rows while the gather runs, then the rest
             work = comm.all_gather(gathered, x, async_op=True)
@@ -413,6 +435,9 @@ class _ColumnLinear(torch.autograd.Function):
             return gx, gw, gb, None, None, None, None, None
         n = comm.world
         grad = grad.contiguous()
+        if comm.mem_saving:
+            return (*_column_backward_blocks(saved, w, grad, comm, transposed, ctx.has_bias),
+                    None, None, None, None, None)  # fmt: skip
         if recompute:  # re-gather while grad_input is computed
             gathered = comm.buffers.get("gather", full_shape(saved.shape, n), saved)
             gathering = comm.all_gather(gathered, saved, async_op=async_comm)
@@ -434,6 +459,46 @@ def _blocks(full: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(full.view(-1, full.shape[-1]).chunk(n))
 
 
+def _each_block(x: torch.Tensor, comm: Collectives) -> Iterator[tuple[int, torch.Tensor]]:
+    """(src, rank src's x) for every rank in turn: its own x, else a broadcast into one
+    block-sized buffer (reused: each block is done with before the next arrives).
+    PatrickStar's memory-saving all-gather, which never holds N blocks at once."""
+    room = comm.buffers.get("block", tuple(x.shape), x)
+    for src in range(comm.world):
+        block = x if src == comm.rank else room  # the root sends its own x
+        comm.broadcast(block, src)
+        yield src, block
+
+
+def _reduce_each_block(
+    factors: Callable[[int], tuple[torch.Tensor, torch.Tensor]], shape: tuple[int, ...],
+    like: torch.Tensor, comm: Collectives,
+) -> torch.Tensor:  # fmt: skip
+    """Rank r gets the sum over ranks of the product `factors(r)` (of `shape`), each made in
+    turn in one buffer and reduced to its rank: a reduce-scatter that never holds N blocks."""
+    room = comm.buffers.get("partial", shape, like)
+    mine = like.new_empty(shape)
+    for dst in range(comm.world):
+        part = mine if dst == comm.rank else room  # the root's sum lands in its input
+        torch.matmul(*factors(dst), out=part.view(-1, shape[-1]))
+        comm.reduce(part, dst)
+    return mine
+
+
+def _column_backward_blocks(x, w, grad, comm, transposed, has_bias):
+    """Column linear's backward under sequence parallel and mem_saving: grad_weight summed
+    over every rank's block of the input (broadcast one at a time), grad_input reduced to
+    each block's rank one block at a time. Two block-sized buffers, never N."""
+    gys = _blocks(grad, comm.world)
+    gw = None
+    for src, block in _each_block(x, comm):
+        part = _grad_weight(block.view(-1, w.shape[0]), gys[src], transposed)
+        gw = part if gw is None else gw.add_(part)
+    gx = _reduce_each_block(lambda dst: (gys[dst], w.t()), tuple(x.shape), x, comm)
+    gb = grad.view(-1, w.shape[1]).sum(0) if has_bias else None
+    return gx, gw, gb
+
+
 class _RowLinear(torch.autograd.Function):
     """Row-parallel linear: the weight holds this rank's input features; the input is sharded
     along its features, the partial outputs are summed (all-reduce, or reduce-scatter to
@@ -445,6 +510,12 @@ class _RowLinear(torch.autograd.Function):
         ctx.opts = (sp, async_comm, comm, transposed)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
+        if sp and comm.mem_saving:  # each block's partial sum made and reduced in turn
+            n, w = comm.world, _wt(weight, transposed)
+            xs = _blocks(x.contiguous(), n)
+            shape = (*_local_shape(x.shape, n)[:-1], w.shape[1])
+            y = _reduce_each_block(lambda dst: (xs[dst], w), shape, x, comm)
+            return y if bias is None else y + bias
         y = _matmul(x, weight, None, transposed)
         if not sp:
             comm.all_reduce(y).wait()
@@ -465,6 +536,19 @@ class _RowLinear(torch.autograd.Function):
             gb = grad.reshape(-1, w.shape[1]).sum(0) if ctx.has_bias else None
             return gx, gw, gb, None, None, None, None
         n, rank = comm.world, comm.rank
+        if comm.mem_saving:  # every rank's grad block in turn: grad_input rows, grad_weight
+            gx = x.new_empty((*full_shape(grad.shape, n)[:-1], w.shape[0]))
+            outs, xs, gw = _blocks(gx, n), _blocks(x.contiguous(), n), None
+            for src, block in _each_block(grad, comm):
+                block = block.view(-1, w.shape[1])
+                torch.matmul(block, w.t(), out=outs[src])
+                part = _grad_weight(xs[src], block, transposed)
+                gw = part if gw is None else gw.add_(part)
+            gb = None
+            if ctx.has_bias:
+                gb = grad.reshape(-1, w.shape[1]).sum(0)
+                comm.all_reduce(gb).wait()
+            return gx.view(x.shape), gw, gb, None, None, None, None
         shape = full_shape(grad.shape, n)
         gy = grad.new_empty(shape)
         gathering = comm.all_gather(gy, grad, async_op=async_comm)
