@@ -95,12 +95,7 @@ class Reservations:
         if chunk.fixed:
             return
         if chunk.remote:  # another rank's (sharded payloads): its fetched payload stays
-            if not chunk.resident:
-                residency.drop_unused()
-                offset = residency.take_block()
-                if offset is None:
-                    raise ChunkBudgetError(f"no arena block left to keep chunk {chunk_id} in")
-                residency.load(chunk, offset, ChunkState.HOLD)
+            self._resident(chunk)
             chunk.fixed = True
             return
         n = layout.chunk_size
@@ -108,12 +103,7 @@ class Reservations:
         if chunk.host_grad is not None:
             grad = self.reserve(layout.chunk_bytes, layout.dtype)
         master = self.reserve(n * 4, torch.float32) if chunk.master is not None else None
-        if not chunk.resident:
-            residency.drop_unused()
-            offset = residency.take_block()
-            if offset is None:
-                raise ChunkBudgetError(f"no arena block left to keep chunk {chunk_id} in")
-            residency.load(chunk, offset, ChunkState.HOLD)
+        self._resident(chunk)
         used = slice(0, chunk.used)
         # what stays behind on the host is never read again: its pages go back (below)
         left = [chunk.host[used], chunk.master, None if chunk.grads_in_host else chunk.host_grad]
@@ -137,6 +127,17 @@ class Reservations:
         chunk.fixed = True
         residency.round_master(chunk)
         self.released_bytes += sum(release_pages(t[used]) for t in left if t is not None)
+
+    def _resident(self, chunk) -> None:
+        """The chunk loaded into a block of its own, if it is not resident already."""
+        if chunk.resident:
+            return
+        residency = self.residency
+        residency.drop_unused()
+        offset = residency.take_block()
+        if offset is None:
+            raise ChunkBudgetError(f"no arena block left to keep chunk {chunk.id} in")
+        residency.load(chunk, offset, ChunkState.HOLD)
 
     def compute_updated(self, chunk_id: int) -> None:
         """The optimizer wrote a fixed chunk's compute copy (and master) itself."""
