@@ -274,34 +274,44 @@ def save(engine: Engine, path: str | os.PathLike) -> Path:
     if ranks == 1:
         return _save(engine, path, params, aliases, ranks, [_to_json(training_state(engine))])
     group = _group(engine)
-    states = _gather_states(engine, group)  # collective: every rank's training state to rank 0
-    return _on_rank_zero(lambda: _save(engine, path, params, aliases, ranks, states), group)
+    # collective: every rank's training state to rank 0
+    states = _gather(group, lambda: _to_json(training_state(engine)))
+
+    def write() -> Path:
+        return _save(engine, path, params, aliases, ranks,
+                     _checked(states, "give its training state"))  # fmt: skip
+
+    return _on_rank_zero(write, group)
 
 
-def _gather_states(engine: Engine, group: tp.TPGroup | None) -> list[tuple[Any, dict]]:
-    """Every rank's training state as `_to_json` splits it, on rank 0 (in rank order; empty
-    elsewhere). A rank that cannot give its state sends the error, which rank 0 raises (and
-    `_on_rank_zero` tells every rank), so no rank waits for a state that never comes."""
+def _gather(group: tp.TPGroup | None, give: Callable[[], Any]) -> list[Any]:
+    """Every rank's `give()` on rank 0, in rank order (empty elsewhere). A rank whose `give`
+    raised sends the error's text instead (see `_checked`), so no rank waits for a part that
+    never comes."""
     try:
-        mine: Any = _to_json(training_state(engine))
+        mine: Any = give()
     except Exception as caught:
-        mine = f"{type(caught).__name__}: {caught}"
+        mine = _Failed(f"{type(caught).__name__}: {caught}")
     pg = tp.process_group(group)
     rank = dist.get_rank(pg)  # in the group: a tensor-parallel row of a mesh starts anywhere
     gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
     with tp.guard("gather_object (checkpoint save)", group):
         dist.gather_object(mine, gathered, dst=tp.global_rank(group, 0), group=pg)
-    if rank != 0:
-        return []
+    return gathered if rank == 0 else []
 
-    def checked() -> list[tuple[Any, dict]]:
-        for r, state in enumerate(gathered):
-            if isinstance(state, str):
-                raise CheckpointError(f"rank {r} could not give its training state: {state}")
-        return gathered
 
-    return checked()
+class _Failed(str):
+    """What a rank sent `_gather` instead of its part: why it could not give it."""
+
+
+def _checked(gathered: list[Any], doing: str) -> list[Any]:
+    """`gathered`, or a CheckpointError naming the first rank that could not do `doing`. Run
+    inside `_on_rank_zero`, so every rank learns of it."""
+    for rank, part in enumerate(gathered):
+        if isinstance(part, _Failed):
+            raise CheckpointError(f"rank {rank} could not {doing}: {part}")
+    return gathered
 
 
 def _rank_file(rank: int) -> str:
@@ -392,7 +402,9 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
     if isinstance(box[0], Exception):
         raise box[0]
     tmp = Path(box[0])
-    try:
+
+    def write_mine() -> tuple[Any, dict[str, Any], dict[str, str]]:
+        """This rank's files in `tmp`: (its state's skeleton, the files' records, aliases)."""
         if sharded or rank == 0:
             state = engine.local_state_dict() if sharded else engine.state_dict()
             names = dict(engine.model.named_parameters(remove_duplicate=False))
@@ -407,17 +419,12 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
         if params or rank == 0:
             header = {"format": "pt", ALIASES_KEY: json.dumps(aliases)}
             records[file] = _write_file(tmp, file, params, header)
-        ours: Any = (skeleton, records, aliases)
-    except Exception as caught:
-        ours = f"{type(caught).__name__}: {caught}"
-    gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
-    with tp.guard("gather_object (checkpoint save)", group):
-        dist.gather_object(ours, gathered, group=pg, group_dst=0)
+        return skeleton, records, aliases
+
+    parts = _gather(group, write_mine)
 
     def finish() -> Path:
-        for r, got in enumerate(gathered):
-            if isinstance(got, str):
-                raise CheckpointError(f"rank {r} could not write its part of the checkpoint: {got}")
+        gathered = _checked(parts, "write its part of the checkpoint")
         files = [f for _, records, _ in gathered for f in records
                  if f == PARAMETERS or f.startswith("model.")]  # fmt: skip
         aliases = {k: v for _, _, a in gathered for k, v in a.items()}
