@@ -517,7 +517,7 @@ class ChunkManager:
                 f"{self.reservations.released_bytes:,} bytes of their host homes given back)"
             )
         if self.data_parallel is not None:
-            lines.append(self.data_parallel.describe())
+            lines.append(self.data_parallel.describe(kept=sum(c.fixed for c in self.chunks)))
         if self.monitor is not None:
             lines.append(
                 f"memory monitor: {len(self.monitor.samples):,} samples, peak "

@@ -63,7 +63,6 @@ class ChunkGroups:
         self.bytes_sent = 0  # bytes of the input tensors this rank handed to collectives
         self.bytes_fetched = 0  # sharded: payload bytes that came from their owner
         self.peak_staging_bytes = 0  # sharded: the most gradient staging held at once
-        self.kept: list[int] = []  # sharded: chunks every rank keeps on the compute tier
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.size
@@ -75,13 +74,14 @@ class ChunkGroups:
         """The chunks in groups of `size`, in order (the layout padded them to whole groups)."""
         return [list(chunks[i : i + self.size]) for i in range(0, len(chunks), self.size)]
 
-    def describe(self) -> str:
+    def describe(self, kept: int = 0) -> str:
+        """The report's line; `kept`: chunks every rank keeps on the compute tier (sharded)."""
         if self.sharded:
             way = ("payloads sharded: a chunk fetched from its owner by a broadcast into the "
                    "arena, gradients reduced to it during backward "
                    + ("chunk by chunk" if self.mem_saving else "group by group")
-                   + (f"; {len(self.kept)} chunks kept on the compute tier by every rank"
-                      if self.kept else ""))  # fmt: skip
+                   + (f"; {kept} chunks kept on the compute tier by every rank"
+                      if kept else ""))  # fmt: skip
         else:
             way = ("N reduces and N broadcasts in place" if self.mem_saving
                    else "reduce-scatter and all-gather over a group buffer")  # fmt: skip
@@ -297,9 +297,8 @@ class ChunkGroups:
             for chunk in manager.chunks:
                 if not chunk.used:
                     continue
-                if chunk.remote:
-                    dtype = torch.float32 if manager.low_precision else manager.layout.dtype
-                    values = torch.empty(chunk.used, dtype=dtype)
+                if chunk.remote:  # like the owner's fp32 home
+                    values = torch.empty(chunk.used, dtype=torch.float32)
                 else:
                     values = manager.fp32_home(chunk)
                 dist.broadcast(values, group=self.pg, group_src=self.owner(chunk.id))

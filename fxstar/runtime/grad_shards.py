@@ -60,7 +60,6 @@ class GradShards:
         self.staged: dict[int, torch.Tensor] = {}  # unit -> its staging buffer
         self.names: dict[int, set[str]] = {}  # unit -> slots with a gradient staged
         self.spare: list[torch.Tensor] = []  # staging buffers kept for reuse (at most 2)
-        self.reductions = 0
         self._flush_queued = False
 
     def unit(self, chunk_id: int) -> int:
@@ -120,22 +119,22 @@ class GradShards:
         ids = range(first, first + self.per_unit)
         mine = self.groups.reduce_unit(buffer, [self.groups.owner(i) for i in ids],
                                        self.chunk_size)  # fmt: skip
-        self.reductions += 1
         if mine is not None:
             chunk = next(self.chunks[i] for i in ids if self.groups.owns(i))
             mine.div_(self.groups.size)
             for slot in chunk.slots:
                 if slot.name in names:
                     self.take(slot, mine[slot.offset : slot.offset + slot.numel].view(slot.shape))
+        self._recycle(buffer)
+
+    def _recycle(self, buffer: torch.Tensor) -> None:
         if len(self.spare) < 2:
             self.spare.append(buffer)
 
     def discard(self) -> None:
         """Forget what a backward that raised left staged (zero_grad)."""
         for unit in list(self.staged):
-            buffer = self.staged.pop(unit)
-            if len(self.spare) < 2:
-                self.spare.append(buffer)
+            self._recycle(self.staged.pop(unit))
         self.names.clear()
         self.expected.clear()
         self.arrived.clear()

@@ -382,7 +382,6 @@ class HybridAdam(torch.optim.Optimizer):
                     manager.fix(chunk.id)  # its payload, fetched from the owner, stays
                 else:  # a fragmented arena raises here (the others then time out, named)
                     self._keep_one(chunk.id)
-            groups.kept.extend(c.id for c in group)
 
     def _keep(self, chunk_ids: list[int]) -> None:
         """Keep these chunks on the compute tier with their moments beside them."""
