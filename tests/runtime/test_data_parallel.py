@@ -60,7 +60,15 @@ def llama(dropout: float = 0.0) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-MODELS = {"gpt": gpt, "gpt2": gpt2, "llama": llama}
+def gpt_frozen(dropout: float = 0.0) -> torch.nn.Module:
+    """The GPT with its first block frozen: chunks nobody steps, fetched from their owners."""
+    model = gpt(dropout)
+    model.h[0].requires_grad_(False)
+    return model
+
+
+MODELS = {"gpt": gpt, "gpt frozen": gpt_frozen, "gpt2": gpt2, "llama": llama}
+TAKES_IDS = ("gpt", "gpt frozen")  # called as model(ids, targets); the others with kwargs
 CHUNKS = {"chunk_size": 4096, "device_memory": "auto"}  # several groups, paged
 CASES = {
     # name: (plan options, model, dropout)
@@ -88,6 +96,7 @@ CASES = {
     "sgd": ({**CHUNKS, "optimizer": {"type": "sgd", "lr": 0.5}}, "gpt", 0.0),
     # the position embedding leaves the chunks (GPT's token embedding is tied to the head):
     # a loose parameter, its gradient averaged on its own
+    "frozen block": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt frozen", 0.0),
     "cpu_embedding": ({**CHUNKS, "cpu_embedding": True, "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
     "dropout": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt", 0.1),
     # room to spare: HybridAdam keeps some of each rank's own chunks on the compute tier
@@ -144,7 +153,7 @@ def batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def call(engine, model_name: str, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    if model_name == "gpt":
+    if model_name in TAKES_IDS:
         return engine(ids, targets)
     return engine(input_ids=ids, labels=targets).loss
 
@@ -157,7 +166,7 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
     model = MODELS[model_name](dropout)
     ids, targets = batches(world)[0]
     rows = slice(None) if serial else slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    if model_name == "gpt":
+    if model_name in TAKES_IDS:
         example = {"example_inputs": (ids[rows], targets[rows])}
     else:
         example = {"example_kwargs": {"input_ids": ids[rows], "labels": targets[rows]}}
@@ -394,6 +403,43 @@ def _run_steps(rank: int, world: int, directory: str, first: int, save_at: int |
     return (mean / world).tolist()
 
 
+class _FailsOnRank1:
+    """State saved along (register_state) that rank 1 cannot give."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> dict:
+        if self.rank == 1:
+            raise RuntimeError("a disk full on rank 1")
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _save_fails_on_rank_1(rank: int, world: int, directory: str) -> dict:
+    (ids, targets), *_ = batches(world)
+    plan = Plan(chunk_size=4096, device_memory="auto", dist_timeout=30)
+    engine = fxstar.compile(gpt(), plan, example_inputs=(ids[:PER_RANK], targets[:PER_RANK]))
+    engine.register_state("fragile", _FailsOnRank1(rank))
+    start = time.perf_counter()
+    try:
+        engine.save(directory)
+    except fxstar.errors.CheckpointError as error:
+        return {"error": str(error), "seconds": time.perf_counter() - start}
+    return {"error": None}
+
+
+def test_a_rank_that_cannot_write_its_part_fails_every_rank_by_name(tmp_path):
+    """Every rank learns which rank could not write its part, at once (not after the
+    collective timeout), and nothing replaces the target directory."""
+    for result in spawn(_save_fails_on_rank_1, 2, str(tmp_path / "ckpt")):
+        assert result["error"] is not None and "rank 1 could not write" in result["error"]
+        assert "disk full" in result["error"] and result["seconds"] < 20
+    assert not (tmp_path / "ckpt").exists()
+
+
 def check_resumes(directory, worlds: list[int], shard: str = "params") -> None:
     """Saved by 2 ranks after step 1: every world resumes steps 2 and 3 with the losses of
     the uninterrupted run (within the tolerance of the reduction order)."""
@@ -541,6 +587,16 @@ def test_release_after_init_starts_a_sharded_transformers_model_as_the_serial_on
 
 
 # -- the 2-D mesh: tensor parallel x data parallel ------------------------------------------------
+
+
+def test_sharded_payloads_follow_the_optimizer_and_refuse_sgd_by_name():
+    from fxstar.errors import PlanError
+    from fxstar.mesh import sharded_payloads
+
+    assert sharded_payloads(Plan()) and not sharded_payloads(Plan(optimizer={"type": "sgd"}))
+    assert not sharded_payloads(Plan(data_parallel_shard="optimizer"))
+    with pytest.raises(PlanError, match="data_parallel_shard='params' with optimizer.type"):
+        sharded_payloads(Plan(data_parallel_shard="params", optimizer={"type": "sgd"}))
 
 
 def test_mesh_layout_is_torchs_device_mesh_with_tp_inner():
