@@ -67,8 +67,34 @@ def gpt_frozen(dropout: float = 0.0) -> torch.nn.Module:
     return model
 
 
-MODELS = {"gpt": gpt, "gpt frozen": gpt_frozen, "gpt2": gpt2, "llama": llama}
-TAKES_IDS = ("gpt", "gpt frozen")  # called as model(ids, targets); the others with kwargs
+def gpt_no_grad(dropout: float = 0.0) -> torch.nn.Module:
+    """The GPT with three blocks, the first two run under torch.no_grad() inside forward: h.0
+    frozen (a teacher), h.1 trainable but given no gradient this way (its chunks fetched,
+    never reduced, and stepped by nobody, as eager Adam skips a parameter without .grad)."""
+    from fxstar.models.gpt import GPT, GPTConfig
+
+    class NoGradStem(GPT):
+        def forward(self, idx, targets):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            with torch.no_grad():
+                x = self.h[1](self.h[0](x))
+            x = self.h[2](x)
+            logits = self.head(self.ln_f(x))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    torch.manual_seed(0)
+    model = NoGradStem(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=2,
+                                 n_embd=32, dropout=dropout))  # fmt: skip
+    model.h[0].requires_grad_(False)
+    return model
+
+
+MODELS = {
+    "gpt": gpt, "gpt frozen": gpt_frozen, "gpt no_grad": gpt_no_grad, "gpt2": gpt2,
+    "llama": llama,
+}  # fmt: skip
+TAKES_IDS = ("gpt", "gpt frozen", "gpt no_grad")  # model(ids, targets); the others: kwargs
 CHUNKS = {"chunk_size": 4096, "device_memory": "auto"}  # several groups, paged
 CASES = {
     # name: (plan options, model, dropout)
@@ -97,6 +123,11 @@ CASES = {
     # the position embedding leaves the chunks (GPT's token embedding is tied to the head):
     # a loose parameter, its gradient averaged on its own
     "frozen block": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt frozen", 0.0),
+    "no_grad stem": (
+        {**CHUNKS, "optimizer": {"lr": 1e-2, "clip_grad_norm": 0.5}},
+        "gpt no_grad",
+        0.0,
+    ),
     "cpu_embedding": ({**CHUNKS, "cpu_embedding": True, "optimizer": {"lr": 1e-2}}, "gpt", 0.0),
     "dropout": ({**CHUNKS, "optimizer": {"lr": 1e-2}}, "gpt", 0.1),
     # room to spare: HybridAdam keeps some of each rank's own chunks on the compute tier
@@ -289,6 +320,10 @@ def run_world(world: int) -> None:
         in (results[0]["hybrid keeps chunks"]["info"]["report"])
     )
     assert results[0]["cpu_embedding"]["info"]["host_embeddings"] == ["wpe.weight"]
+    untouched = {n: p for n, p in gpt_no_grad().named_parameters() if n.startswith("h.1.")}
+    for r in results:  # given no gradient: stepped by nobody, weight decay included
+        for n, p in untouched.items():
+            assert torch.equal(r["no_grad stem"]["params"][n], p), n
 
 
 def test_world_2_matches_the_serial_run():
