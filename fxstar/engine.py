@@ -460,6 +460,8 @@ class Engine(nn.Module):
                     hybrid=self.plan.hybrid_adam and self.plan.device_memory is not None,
                     margin_use_ratio=self.plan.margin_use_ratio,
                     norm=self._grad_norm(own_chunks=True),
+                    accumulation_steps=opt.accumulation_steps,
+                    host_check=self._check_host_after_keeping,
                 )  # fmt: skip
             elif self.chunks is not None and self.chunks.low_precision:
                 raise PlanError(
@@ -499,6 +501,11 @@ class Engine(nn.Module):
             stepped = optimizer.step() is not False
         self.zero_grad(set_to_none=True)
         return stepped
+
+    def _check_host_after_keeping(self, kept: list[int]) -> None:
+        """HybridAdam chose its device half: the host budget again, with the chunks it kept
+        (compile counted the ones it forecast), before the moments are made."""
+        placement.check_host_budget(self.plan, self.program.decisions.chunk_plan, kept=kept)
 
     def _grad_norm(self, *, own_chunks: bool) -> GradNorm:
         """How this rank's partial sums of squares make the model's (runtime/grad_norm.py):
@@ -748,7 +755,8 @@ class Engine(nn.Module):
             lines.append(self._weights_line)
         if self.chunks is not None:
             lines.append(self.chunks.report())
-            lines.append(placement.describe_host(self.plan, program.decisions.chunk_plan))
+            kept = getattr(self._optimizer, "kept", None)  # None: as forecast
+            lines.append(placement.describe_host(self.plan, program.decisions.chunk_plan, kept))
             lines.append(program.decisions.chunk_plan.describe().splitlines()[0])
             observed = program.decisions.chunk_observed
             if observed is not None:

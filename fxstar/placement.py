@@ -27,7 +27,7 @@ from fxstar.capture import is_meta
 from fxstar.errors import FxstarError, UsageError
 from fxstar.mesh import sharded_payloads
 from fxstar.plan import resolve_device
-from fxstar.runtime.layout import ChunkPlan
+from fxstar.runtime.layout import ChunkPlan, spare_bytes
 from fxstar.sizes import format_size
 from fxstar.weights import WeightSource, initialize, is_transformers, materialize, tied_names
 
@@ -37,6 +37,7 @@ __all__ = [
     "check_host_budget",
     "check_plan",
     "fill",
+    "forecast_kept",
     "give_buffers_storage",
     "host_budget",
     "is_meta",
@@ -69,9 +70,33 @@ def host_budget(plan: Any) -> tuple[int, str]:
     return int(ratio * total / max(local, 1)), where
 
 
-def host_need(plan: Any, chunk_plan: ChunkPlan) -> tuple[int, int]:
-    """What the chunk engine takes on the host: (chunk homes and optimizer state, the arena
-    where it lives on the host: a CPU-only machine)."""
+def forecast_kept(plan: Any, chunk_plan: ChunkPlan) -> list[int]:
+    """The chunks HybridAdam's device half will keep on the compute tier, forecast from the
+    access plan: its margin (see spare_bytes) over what a kept chunk takes there, the
+    smallest trainable chunks counted (the least host given back). The runtime chooses from
+    the traced step and checks the host budget again then (HybridAdam's host_check)."""
+    layout = chunk_plan.layout
+    access = chunk_plan.access
+    hybrid = plan.hybrid_adam and plan.optimizer.type in ("adam", "adamw")
+    if (not hybrid or plan.device_memory is None or chunk_plan.budget is None
+            or chunk_plan.static_share is not None or layout.ranks > 1):  # fmt: skip
+        return []  # data parallel keeps whole groups by the least margin of any rank: none
+    pairs = zip(access.pinned_at_once, access.nonmodel_bytes, strict=True)
+    moments = [(pinned * layout.chunk_bytes, other) for pinned, other in pairs]
+    spare = spare_bytes(chunk_plan.budget, chunk_plan.arena_capacity, moments,
+                        plan.margin_use_ratio)  # fmt: skip
+    share_room = (layout.dtype != torch.float32 and plan.grads_in_host
+                  and plan.optimizer.accumulation_steps == 1)  # fmt: skip
+    count = spare // layout.kept_chunk_bytes(share_room=share_room)
+    trainable = sorted((c for c in layout.chunks if c.trainable), key=lambda c: (c.used, c.id))
+    return [c.id for c in trainable[:count]]
+
+
+def host_need(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None
+              ) -> tuple[int, int]:  # fmt: skip
+    """What the chunk engine takes on the host: (chunk homes and optimizer state but those
+    of the chunks `kept` on the compute tier (None: as forecast), the arena where it lives on
+    the host: a CPU-only machine)."""
     layout = chunk_plan.layout
     low_precision = layout.dtype != torch.float32
     need = layout.host_bytes(
@@ -79,37 +104,48 @@ def host_need(plan: Any, chunk_plan: ChunkPlan) -> tuple[int, int]:
         moments=plan.optimizer.type in ("adam", "adamw"),
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
         sharded=layout.ranks > 1 and sharded_payloads(plan),  # and its own homes only
+        kept=forecast_kept(plan, chunk_plan) if kept is None else kept,
     )  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     return need, arena
 
 
-def describe_host(plan: Any, chunk_plan: ChunkPlan) -> str:
+def describe_host(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None) -> str:
     """The report's line: the chunk engine's host memory against the host budget."""
-    need, arena = host_need(plan, chunk_plan)
+    need, arena = host_need(plan, chunk_plan, kept)
     budget, source = host_budget(plan)
+    count = len(forecast_kept(plan, chunk_plan) if kept is None else kept)
     return (
         f"host memory: {format_size(need)} for chunk homes and optimizer state"
+        + (f" (but the {count} chunks kept on the compute tier)" if count else "")
         + (f" and {format_size(arena)} for the arena" if arena else "")
         + f", of a host budget of {format_size(budget)} ({source})"
     )
 
 
-def check_host_budget(plan: Any, chunk_plan: ChunkPlan) -> int:
+def check_host_budget(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None) -> int:
     """Before the chunk homes are allocated: what they, their optimizer state and (on a
     CPU-only machine) the arena take on the host must fit the host budget: a model too large
-    for the host is a clear error at compile, not the kernel's OOM killer mid-step. Returns
+    for the host is a clear error at compile, not the kernel's OOM killer mid-step. The
+    chunks HybridAdam will keep on the compute tier are forecast at compile (`kept` None);
+    the first step, before it makes the moments, checks with the chunks it kept. Returns
     the bytes the chunk engine will take."""
     layout = chunk_plan.layout
-    need, arena = host_need(plan, chunk_plan)
+    need, arena = host_need(plan, chunk_plan, kept)
     budget, source = host_budget(plan)
     if need + arena > budget:
         params = sum(c.used for c in layout.chunks)
+        forecast = forecast_kept(plan, chunk_plan)
+        when = (
+            f"; HybridAdam kept {len(kept)} chunks on the compute tier at the first step, "
+            f"where compile forecast {len(forecast)} from the plan (the traced step left less "
+            "room)" if kept is not None else ""
+        )  # fmt: skip
         raise HostMemoryError(
             f"the chunk engine needs {format_size(need + arena)} of host memory "
             f"({format_size(need)} for {params:,} parameters' chunk homes and optimizer state"
             + (f", {format_size(arena)} for the arena on the host" if arena else "")
-            + f"), over the host budget of {format_size(budget)} ({source}); activations "
+            + f"), over the host budget of {format_size(budget)} ({source}){when}; activations "
             "come on top. Raise plan.host_memory or overall_cpu_mem_ratio if the machine has "
             "the room, train in bf16 (14 bytes per parameter instead of 16), or shard the "
             "model over more processes"

@@ -4,7 +4,7 @@ overall_cpu_mem_ratio of the machine's memory shared by the node's processes).""
 
 import pytest
 import torch
-from conftest import example, tiny_gpt, tokens
+from conftest import activation_budget, example, tiny_gpt, tokens
 
 from fxstar import HostMemoryError, placement
 from fxstar.engine import compile
@@ -79,3 +79,38 @@ def test_a_fitting_model_compiles_under_its_exact_need():
     with pytest.raises(HostMemoryError):
         too_small = Plan(device_memory="auto", optimizer=OPT, host_memory=need - 1)
         compile(tiny_gpt(), too_small, **example("gpt", *tokens()))
+
+
+def test_chunks_forecast_kept_on_the_compute_tier_leave_the_host_need_and_are_checked_again(
+    monkeypatch,
+):
+    """HybridAdam's device half gives the host homes of the chunks it keeps back: compile
+    counts the ones the access plan forecasts, and the first step, before it makes the
+    moments, checks the budget again with the ones it kept: a step that kept fewer than the
+    budget was granted for stops there, by name."""
+    budget = activation_budget(tiny_gpt, 2.0, **example("gpt", *tokens()))
+    plan = Plan(precision="bf16", device_memory=budget, optimizer=OPT)
+    engine = compile(tiny_gpt(), plan, **example("gpt", *tokens()))
+    chunk_plan = engine.program.decisions.chunk_plan
+    forecast = placement.forecast_kept(plan, chunk_plan)
+    assert forecast
+    with_forecast = sum(placement.host_need(plan, chunk_plan))
+    assert with_forecast < sum(placement.host_need(plan, chunk_plan, kept=[]))
+    assert f"(but the {len(forecast)} chunks kept on the compute tier)" in engine.report()
+    engine(*tokens()).backward()
+    engine.step()
+    assert len(engine.optimizer.kept) == len(forecast)  # the traced step agreed
+    assert placement.check_host_budget(plan, chunk_plan, kept=engine.optimizer.kept) <= (
+        with_forecast
+    )
+    granted = plan.replace(host_memory=with_forecast)  # fits with the forecast only
+    engine = compile(tiny_gpt(), granted, **example("gpt", *tokens()))
+    monkeypatch.setattr(engine.chunks, "margin", lambda ratio: 0)  # the step keeps none
+    engine(*tokens()).backward()
+    with pytest.raises(
+        HostMemoryError,
+        match=f"HybridAdam kept 0 chunks on the compute tier at the first step, where compile "
+        f"forecast {len(forecast)}",
+    ):
+        engine.step()
+    assert not engine.optimizer.state  # no moments were made

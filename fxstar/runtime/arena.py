@@ -14,6 +14,7 @@ import os
 import torch
 
 from fxstar import _C
+from fxstar.runtime.host import give_back_freed, release_pages
 
 ArenaOutOfMemory = _C.ArenaOutOfMemory
 ALIGNMENT = 256  # bytes: every block is rounded up to this (the C++ arena's minimum)
@@ -64,10 +65,23 @@ class ArenaBuffer:
         return self.allocator.capacity
 
     def alloc(self, nbytes: int) -> int:
-        """Reserve `nbytes`; returns the offset. Raises ArenaOutOfMemory when it does not fit."""
-        return self.allocator.alloc(nbytes)
+        """Reserve `nbytes`; returns the offset. Raises ArenaOutOfMemory when it does not fit.
+        On a CPU-only machine the block's pages are fresh (see free): the heap's freed pages
+        (activations backward let go of, which glibc keeps) go back to the system first, so
+        the arena and the activations together stay within the budget, as on a card."""
+        offset = self.allocator.alloc(nbytes)
+        if self.device.type == "cpu":
+            give_back_freed()
+        return offset
 
     def free(self, offset: int) -> None:
+        """Give the block back; on a CPU-only machine its whole pages go back to the system
+        too, so that what the arena holds resident is what its live blocks hold: with the
+        activations beside it (ordinary memory there), the compute tier stays within its
+        budget at every moment, as a GPU's arena and activations share one card."""
+        if self.device.type == "cpu":
+            size = self.allocator.block_size(offset)
+            release_pages(self.buffer[offset : offset + size])
         self.allocator.free(offset)
 
     def view(

@@ -385,7 +385,10 @@ class ChunkManager:
         grad = torch.is_grad_enabled()
         views = {}
         for slot in chunk.slots:
-            view = self.residency.leaf(chunk, slot)
+            if chunk.fixed and slot.name in chunk.grad_slots:  # its room holds its gradient
+                view = chunk.rounded(slot.offset, slot.shape, self.layout.dtype)
+            else:
+                view = self.residency.leaf(chunk, slot)
             if grad and slot.requires_grad:
                 view.requires_grad_(True)
                 view.register_post_accumulate_grad_hook(self.grads.hook(slot))
@@ -458,9 +461,9 @@ class ChunkManager:
         """Give back the last `count` reserved blocks (a keep that could not complete)."""
         self.reservations.unreserve(count)
 
-    def fix(self, chunk_id: int) -> None:
+    def fix(self, chunk_id: int, *, share_room: bool = False) -> None:
         """Keep a chunk on the compute tier for good (see Reservations.fix)."""
-        self.reservations.fix(chunk_id)
+        self.reservations.fix(chunk_id, share_room=share_room)
 
     def compute_updated(self, chunk_id: int) -> None:
         """The optimizer wrote a fixed chunk's compute copy (and master) itself."""
@@ -509,11 +512,12 @@ class ChunkManager:
                 f"gradient copies: {st.grad_copy_seconds:.3f}s, {overlap:.0%} hidden behind "
                 f"backward ({st.grad_wait_seconds:.3f}s waited at its end)"
             )
-        fixed = [c.id for c in self.chunks if c.fixed and not c.remote]
+        fixed = [c for c in self.chunks if c.fixed and not c.remote]
         if fixed:
+            room = "; the gradients in the payloads' room" if fixed[0].grads_in_host else ""
             lines.append(
                 f"kept on the compute tier with their optimizer state: {len(fixed)} chunks "
-                f"({self.reserved_bytes():,} bytes beside their payloads; "
+                f"({self.reserved_bytes():,} bytes beside their payloads{room}; "
                 f"{self.reservations.released_bytes:,} bytes of their host homes given back)"
             )
         if self.data_parallel is not None:

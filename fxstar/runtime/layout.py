@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,22 +100,32 @@ class ChunkLayout:
         return len(self.chunks) * self.chunk_bytes - self.param_bytes
 
     def host_bytes(self, *, masters: bool, own_grads: bool, moments: bool, rank: int = 0,
-                   sharded: bool = False) -> int:  # fmt: skip
+                   sharded: bool = False, kept: Collection[int] = ()) -> int:  # fmt: skip
         """What the chunk engine allocates on the host for this layout: every chunk's payload
         (packed, see host_parts), fp32 masters (bf16/fp16), gradient buffers of their own
         (fp32; bf16/fp16 with grads_in_host=False) and two fp32 Adam moments per trainable
         element of the chunks rank `rank` owns (all of them without data parallelism).
-        `sharded` (data parallel, sharded payloads): the homes of its own chunks only."""
-        homes = [c for c in self.chunks if not sharded or self.owner(c.id) == rank]
+        `sharded` (data parallel, sharded payloads): the homes of its own chunks only. `kept`:
+        chunks kept on the compute tier for good, whose host homes go back to the system."""
+        homes = [c for c in self.chunks
+                 if (not sharded or self.owner(c.id) == rank) and c.id not in kept]  # fmt: skip
         every = host_elements(self.dtype, [c.used for c in homes])
         trainable = [c.used for c in homes if c.trainable]
         total = every * self.dtype.itemsize + (every * 4 if masters else 0)
         if own_grads:
             total += host_elements(self.dtype, trainable) * self.dtype.itemsize
         if moments:
-            total += sum(2 * c.used * 4 for c in self.chunks
-                         if c.trainable and self.owner(c.id) == rank)  # fmt: skip
+            own = [c for c in self.chunks if self.owner(c.id) == rank and c.id not in kept]
+            total += sum(2 * c.used * 4 for c in own if c.trainable)
         return total
+
+    def kept_chunk_bytes(self, *, share_room: bool) -> int:
+        """Compute-tier bytes a chunk kept there for good takes with its optimizer state: its
+        payload, its gradient (in the payload's room when `share_room`), two fp32 moments
+        and (bf16/fp16) an fp32 master."""
+        low_precision = self.dtype != torch.float32
+        payloads = 1 if share_room else 2
+        return payloads * self.chunk_bytes + self.chunk_size * 4 * (2 + low_precision)
 
     def slots(self) -> dict[str, ParamSlot]:
         """Every alias -> its slot."""
@@ -134,6 +145,20 @@ class ChunkLayout:
             names = ", ".join(p.name for p in c.params)
             lines.append(f"  chunk {c.id}: {c.used:,}/{self.chunk_size:,} elements: {names}")
         return "\n".join(lines)
+
+
+def spare_bytes(budget: int, capacity: int, moments: Iterable[tuple[int, int]],
+                ratio: float) -> int:  # fmt: skip
+    """What the compute tier can spare for good (HybridAdam's margin): the budget less the
+    chunks in use and the activations at the step's fullest moment, and the arena less the
+    chunks alone, times `ratio` (PatrickStar's margin_use_ratio). `moments`: (chunk bytes in
+    use, bytes besides chunks) at each access of a step."""
+    moments = list(moments)
+    if not moments:
+        return 0
+    by_budget = budget - max(chunks + other for chunks, other in moments)
+    by_arena = capacity - max(chunks for chunks, _ in moments)
+    return max(int(ratio * min(by_budget, by_arena)), 0)
 
 
 @dataclass

@@ -11,8 +11,10 @@ fetches in the same pass.
 The device half (`hybrid=True`): at the first training step, before its update (the traced
 forward and backward measured the margin), the chunks whose optimizer fits the compute tier's
 margin (what the traced step left free at its fullest moment, times `margin_use_ratio`) are
-kept there for good (`ChunkManager.fix`), with their gradient buffer, moments and fp32 master
-beside them, and updated there: by torch's fused Adam on an accelerator, by the same C++
+kept there for good (`ChunkManager.fix`), with their moments and fp32 master beside them
+(and, under bf16/fp16 without accumulation or data parallelism, the gradient in the room of
+the compute payload, as on the host: 14 bytes per parameter kept; else a gradient buffer
+beside it too), and updated there: by torch's fused Adam on an accelerator, by the same C++
 kernel when the compute tier is the CPU (`device_kernel` picks). They never cross tiers again;
 the rest stay on the host. Moments are made at that first step too, so a kept chunk's never
 exist on the host, and the host homes it leaves go back to the system. `hybrid=False` keeps
@@ -26,6 +28,7 @@ the compute tier when their chunk is kept there; the objects stay).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +63,8 @@ class HybridAdam(torch.optim.Optimizer):
         margin_use_ratio: float = 0.8,
         device_kernel: str = "auto",
         norm: GradNorm | None = None,
+        accumulation_steps: int = 1,
+        host_check: Callable[[list[int]], object] | None = None,
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.manager = manager
@@ -71,6 +76,14 @@ class HybridAdam(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.hybrid = hybrid
         self.margin_use_ratio = margin_use_ratio
+        # a kept chunk's gradient in its compute payload's room (Reservations.fix): not when
+        # forwards between backward and step are the plan (accumulation: each would read the
+        # rounded masters as copies of their own), nor under data parallelism
+        self.share_room = (manager.grads_in_host and manager.data_parallel is None
+                           and accumulation_steps == 1)  # fmt: skip
+        # the host budget checked again once the device half is chosen, before the moments
+        # are made (compile forecast the chunks kept): called with the chunks kept
+        self.host_check = host_check
         if device_kernel not in ("auto", "torch", "cpu"):
             raise ValueError(f"device_kernel: 'auto', 'torch' or 'cpu', not {device_kernel!r}")
         if device_kernel == "auto":  # a CPU compute tier is best served by the C++ kernel
@@ -104,6 +117,11 @@ class HybridAdam(torch.optim.Optimizer):
                             param, memory_format=torch.contiguous_format
                         ),
                     }
+
+    @property
+    def kept(self) -> list[int] | None:
+        """The chunks kept on the compute tier, None before the device half was chosen."""
+        return list(self.device_chunks) if self._placed else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.zero_grad(set_to_none)
@@ -238,6 +256,8 @@ class HybridAdam(torch.optim.Optimizer):
             groups.average(self._loose_grads())
         if self.hybrid and not self._placed:  # the traced forward and backward measured it
             self._place()
+            if self.host_check is not None and self._placed:
+                self.host_check(self.device_chunks)
         self._host_moments()
         runs = self._runs()
         # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
@@ -287,14 +307,13 @@ class HybridAdam(torch.optim.Optimizer):
             if chunk.fixed:
                 self._device_step(chunk, span, grad, exp_avg, exp_avg_sq, first["step"], group,
                                   grad_scale)  # fmt: skip
-                touched.add(slot.chunk)
-                continue
-            cpu_adam.adam_step(
-                home[span], grad.reshape(-1), exp_avg, exp_avg_sq, step=step, lr=group["lr"],
-                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                adamw=self.adamw, grad_scale=grad_scale,
-                out=chunk.host[span] if chunk.master is not None else None,
-            )  # fmt: skip
+            else:
+                cpu_adam.adam_step(
+                    home[span], grad.reshape(-1), exp_avg, exp_avg_sq, step=step,
+                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
+                    out=chunk.host[span] if chunk.master is not None else None,
+                )  # fmt: skip
             if chunk.grads_in_host:  # the copy-out overwrote the gradients in their room
                 self.manager.payload_written([self._slots[id(p)] for p in params])
             touched.add(slot.chunk)
@@ -343,8 +362,7 @@ class HybridAdam(torch.optim.Optimizer):
         if not moments:
             return
         lay = manager.layout
-        # the payload, its gradient, two moments and (bf16/fp16) an fp32 master, for good
-        per_chunk = 2 * lay.chunk_bytes + lay.chunk_size * 4 * (2 + manager.low_precision)
+        per_chunk = lay.kept_chunk_bytes(share_room=self.share_room)
         uses: dict[int, int] = {}
         for moment in moments:
             uses[moment.chunk] = uses.get(moment.chunk, 0) + 1
@@ -399,7 +417,7 @@ class HybridAdam(torch.optim.Optimizer):
         arena has no block for them)."""
         manager, n = self.manager, self.manager.layout.chunk_size
         moments = manager.reserve(2 * n * 4, torch.float32)
-        manager.fix(chunk_id)
+        manager.fix(chunk_id, share_room=self.share_room)
         chunk = manager.chunks[chunk_id]
         self.device_chunks.append(chunk_id)
         if any(c is chunk for c in self._without_moments):  # no host moments: fresh here

@@ -15,6 +15,7 @@ import torch
 from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.grad_copies import GradAccumulator
 from fxstar.runtime.host import release_pages
+from fxstar.runtime.layout import spare_bytes
 from fxstar.runtime.residency import ChunkBudgetError, ChunkState, Residency
 from fxstar.runtime.tier_copy import copy_payload
 
@@ -70,9 +71,9 @@ class Reservations:
             return 0
         if residency.budget is None:
             return 0  # nothing to plan a margin from
-        by_budget = residency.budget - max(m.pinned_bytes + m.nonmodel_bytes for m in moments)
-        by_arena = residency.arena.capacity - max(m.pinned_bytes for m in moments)
-        return max(int(ratio * min(by_budget, by_arena)) - self.reserved_bytes(), 0)
+        used = [(m.pinned_bytes, m.nonmodel_bytes) for m in moments]
+        spare = spare_bytes(residency.budget, residency.arena.capacity, used, ratio)
+        return max(spare - self.reserved_bytes(), 0)
 
     def reserved_bytes(self) -> int:
         return self.blocks.bytes()
@@ -86,10 +87,16 @@ class Reservations:
         self.residency.drop_unused()
         return self.blocks.take(nbytes, dtype)  # ArenaOutOfMemory when fragmented: caller stops
 
-    def fix(self, chunk_id: int) -> None:
+    def fix(self, chunk_id: int, *, share_room: bool = False) -> None:
         """Keep a chunk on the compute tier for good, with its gradient buffer and (bf16/fp16)
         its fp32 master there too: its optimizer step runs there and nothing of it crosses
-        tiers again. The stable parameters become views of the compute-tier copy."""
+        tiers again. The stable parameters become views of the compute-tier copy.
+
+        `share_room` (bf16/fp16, gradients in the payload's room): the gradient takes the room
+        of the compute payload itself, as it took the host payload's (14 bytes per parameter
+        kept instead of 16, so the margin keeps more): the payload is the rounded master, and
+        a read of a slot whose room holds its gradient is given the rounded master instead
+        (ChunkManager.fetch, SavedTensors.unpack)."""
         residency, layout = self.residency, self.residency.layout
         chunk = residency.chunks[chunk_id]
         if chunk.fixed:
@@ -99,11 +106,12 @@ class Reservations:
             chunk.fixed = True
             return
         n = layout.chunk_size
+        share_room = share_room and chunk.grads_in_host
         grad = None
-        if chunk.host_grad is not None:
+        if chunk.host_grad is not None and not share_room:
             grad = self.reserve(layout.chunk_bytes, layout.dtype)
         master = self.reserve(n * 4, torch.float32) if chunk.master is not None else None
-        self._resident(chunk)
+        self._resident(chunk)  # the payload's slots holding gradients: rounded masters
         used = slice(0, chunk.used)
         # what stays behind on the host is never read again: its pages go back (below)
         left = [chunk.host[used], chunk.master, None if chunk.grads_in_host else chunk.host_grad]
@@ -112,6 +120,12 @@ class Reservations:
             chunk.host_grad = grad
             chunk.grads_in_host = False  # its gradients live beside it on the compute tier now
             chunk.grad_slots.clear()
+        elif share_room:  # this step's gradients move into the compute payload's room
+            payload = residency.chunk_view(chunk)
+            for slot in chunk.slots_holding_grads():
+                span = slice(slot.offset, slot.offset + slot.numel)
+                copy_payload(payload[span], chunk.host[span])
+            chunk.host = chunk.host_grad = payload
         home = residency.chunk_view(chunk)
         if master is not None:
             copy_payload(master[used], chunk.master[used])

@@ -79,7 +79,9 @@ class Chunk:
     fixed: bool = False  # kept on the compute tier for good, optimizer included (fix())
     # bf16/fp16: the gradient takes the room of the host payload (`host_grad` views `host`),
     # slot by slot as backward produces it; `grad_slots` names the slots whose room holds a
-    # gradient now. Their parameters are the rounded masters, which restore them.
+    # gradient now. Their parameters are the rounded masters, which restore them. A chunk kept
+    # on the compute tier for good has its payload there (`host` views its arena block): a
+    # read of a slot whose room holds a gradient gets the rounded master instead (`rounded`).
     grads_in_host: bool = False
     grad_slots: set[str] = field(default_factory=set)
     # data parallel with sharded payloads: another rank owns it, this one has no host home
@@ -119,6 +121,28 @@ class Chunk:
         for slot in slots:
             span = slice(slot.offset, slot.offset + slot.numel)
             payload[span].copy_(self.master[span])
+
+    def holds_grad_within(self, start: int, stop: int) -> bool:
+        """Whether a gradient has the room of any element in [start, stop) of the payload."""
+        return any(
+            slot.offset < stop and start < slot.offset + slot.numel
+            for slot in self.slots_holding_grads()
+        )
+
+    def rounded(
+        self,
+        offset: int,
+        size: Sequence[int],
+        dtype: torch.dtype,
+        stride: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Payload elements (contiguous, or as strided) as a tensor of their own, rounded from
+        the fp32 master: what the payload holds where no gradient took its room (a read of a
+        slot whose room does)."""
+        if stride is None:
+            stride = torch.empty(tuple(size), device="meta").stride()
+        start = self.master.storage_offset() + offset  # as_strided counts from the storage's
+        return self.master.as_strided(tuple(size), tuple(stride), start).to(dtype, copy=True)
 
     def restore_params(self) -> None:
         """Every slot whose host room holds a gradient gets its parameters back (the gradient
@@ -388,8 +412,11 @@ class Residency:
             self.step_bytes += nbytes
 
     def round_master(self, chunk: Chunk) -> None:
-        """A fixed chunk's compute copy made again from its fp32 master (if it has one)."""
-        if chunk.master is not None:
+        """A fixed chunk's compute copy made again from its fp32 master (if it has one); a
+        slot whose room holds its gradient keeps it."""
+        if chunk.master is not None and chunk.grad_slots:
+            chunk.round_into(self.chunk_view(chunk), chunk.slots_holding_grads(False))
+        elif chunk.master is not None:
             self.view(chunk, 0, (chunk.used,)).copy_(chunk.master[: chunk.used])
         chunk.loaded_versions = self.versions(chunk)
 

@@ -80,6 +80,11 @@ class SavedTensors:
         chunk = self.residency.access(packed.chunk, "backward")
         chunk.pins += 1
         self.node_pins[1].append(chunk)
+        if chunk.fixed and chunk.grad_slots:  # a gradient may have taken the room it read
+            extent = sum((n - 1) * s for n, s in zip(packed.size, packed.stride, strict=True))
+            if chunk.holds_grad_within(packed.offset, packed.offset + extent + 1):
+                return chunk.rounded(packed.offset, packed.size, self.residency.layout.dtype,
+                                     packed.stride)  # fmt: skip
         return self.residency.view(chunk, packed.offset, packed.size, packed.stride)
 
     def access_in_recomputation(self, chunk_id: int) -> Chunk:

@@ -28,3 +28,24 @@ def test_view_larger_than_block_is_refused():
     offset = arena.alloc(256)
     with pytest.raises(ValueError, match="holds 256"):
         arena.view(offset, (100,), torch.float32)
+
+
+def test_a_cpu_arena_gives_freed_pages_and_the_heap_back_to_the_system(monkeypatch):
+    """On a CPU-only machine the arena is host memory beside the activations: a freed block's
+    pages go back to the system (they read as zeros when taken again), and taking a block
+    first returns the heap's freed pages (glibc's malloc_trim), so the two together hold
+    what the budget allows, as on a card."""
+    import fxstar.runtime.arena as arena_module
+
+    trims = []
+    monkeypatch.setattr(arena_module, "give_back_freed", lambda: trims.append(1) or True)
+    arena = ArenaBuffer(16 * 2**20, "cpu")
+    offset = arena.alloc(8 * 2**20)
+    assert trims == [1]
+    block = arena.view(offset, (8 * 2**20,), torch.uint8)
+    block.fill_(7)
+    arena.free(offset)
+    again = arena.alloc(8 * 2**20)
+    assert again == offset and trims == [1, 1]
+    kept_bytes = int(arena.view(again, (8 * 2**20,), torch.uint8).count_nonzero())
+    assert kept_bytes < 2 * 4096  # at most the partial pages at the block's two ends

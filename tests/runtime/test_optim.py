@@ -283,7 +283,7 @@ def test_a_chunk_that_cannot_be_kept_stays_on_the_host_and_gives_its_room_back(m
     engine = compile(gpt_without_biases(), plan, **example("gpt", *tokens()))
     manager = engine.chunks
 
-    def fragmented(chunk_id):
+    def fragmented(chunk_id, **options):
         raise MemoryError("the arena is fragmented")
 
     monkeypatch.setattr(manager, "fix", fragmented)
@@ -293,3 +293,88 @@ def test_a_chunk_that_cannot_be_kept_stays_on_the_host_and_gives_its_room_back(m
     assert manager.arena.stats()["in_use"] <= manager.budget
     engine(*tokens()).backward()  # and training goes on, all on the host
     assert engine.step()
+
+
+class DetachedReuse(torch.nn.Module):
+    """A weight read twice: by its own linear, and detached, as a constant, by another. Its
+    gradient arrives (and, kept under bf16, takes its payload's room) before backward reads
+    the detached copy that the second linear saved."""
+
+    def __init__(self, width: int = 32, vocab: int = 64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.first, self.second = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids, targets):
+        h = torch.tanh(self.embed(ids))
+        constant = torch.nn.functional.linear(h, self.second.weight.detach())
+        out = self.head(torch.tanh(self.second(self.first(h))) * constant)
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
+def detached_reuse() -> DetachedReuse:
+    torch.manual_seed(0)
+    return DetachedReuse()
+
+
+def _bf16_runs(factory, drive, **plan_options) -> dict:
+    """`drive(engine)` on bf16 chunks, everything kept on the compute tier (the C++ kernel,
+    as on the host) and everything on the host: their losses and parameters."""
+    runs = {}
+    for keep in (True, False):
+        plan = Plan(precision="bf16", device_memory="1GiB", optimizer=OPT, hybrid_adam=keep,
+                    chunk_size=4096, **plan_options)  # fmt: skip
+        engine = compile(factory(), plan, **example("gpt", *tokens()))
+        engine.chunks.checking = True
+        losses = drive(engine)
+        runs[keep] = engine, losses, [p.detach().clone() for p in engine.parameters()]
+    return runs
+
+
+def _assert_bitwise(runs: dict) -> None:
+    (kept, kept_losses, kept_params), (_, host_losses, host_params) = runs[True], runs[False]
+    trainable = [c for c in kept.chunks.chunks if c.host_grad is not None]
+    assert sorted(kept.optimizer.device_chunks) == [c.id for c in trainable]
+    assert kept_losses == host_losses
+    assert all(torch.equal(p, q) for p, q in zip(kept_params, host_params, strict=True))
+
+
+def test_kept_bf16_chunks_take_their_gradient_in_the_payload_room():
+    """14 bytes per kept parameter, as on the host: the gradient has no buffer of its own
+    but the compute payload's room, the moments and the master beside it; and the training
+    is bitwise the host chunks' (the same kernel)."""
+    runs = _bf16_runs(gpt_without_biases, lambda engine: [float(x) for x in train_steps(engine, 4)])
+    _assert_bitwise(runs)
+    engine = runs[True][0]
+    manager, n = engine.chunks, engine.chunks.layout.chunk_size
+    for chunk_id in engine.optimizer.device_chunks:
+        chunk = manager.chunks[chunk_id]
+        assert chunk.host_grad.data_ptr() == manager.chunk_view(chunk).data_ptr()
+    rounded = manager.arena.allocator.round_up
+    per_chunk = rounded(8 * n) + rounded(4 * n)  # moments, master: no gradient block
+    assert manager.reserved_bytes() == len(engine.optimizer.device_chunks) * per_chunk
+    assert "the gradients in the payloads' room" in engine.report()
+
+
+def test_kept_payload_room_gives_the_parameters_to_reads_after_their_gradient():
+    """Reads of a parameter whose gradient took its room: a detached copy saved for
+    backward and read after the gradient arrived; a second forward and backward before the
+    step (accumulation by hand); a forward under no_grad before the step. Each gets the
+    parameter's values: bitwise the host chunks' run."""
+
+    def drive(engine):
+        losses = []
+        for step in range(3):
+            for micro in range(2):
+                ids, targets = tokens(seed=2 * step + micro)
+                loss = engine(ids, targets)
+                loss.backward()
+                losses.append(float(loss))
+            with torch.no_grad():
+                losses.append(float(engine(*tokens(seed=99))))
+            engine.step()
+            engine.zero_grad()
+        return losses
+
+    _assert_bitwise(_bf16_runs(detached_reuse, drive))
