@@ -4,7 +4,7 @@ Belady-optimal cache of the same capacity would move for the same access sequenc
 a small simulator here, independent of the engine's code).
 
     python benchmarks/chunks.py                       # vocab 8192, d=768, 12 layers, 4 x 256
-    python benchmarks/chunks.py --layers 4 --width 256 --json chunks.json   # quick
+    python benchmarks/chunks.py --layers 4 --width 256 --heads 8 --json chunks.json   # quick
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import bisect
 import json
 import statistics
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import torch
@@ -40,22 +41,28 @@ class Row:
     evictions_per_step: float
 
 
-def belady_bytes(chunks: list[int], capacity: list[int], nbytes: dict[int, int]) -> int:
+def belady_bytes(chunks: list[int], capacity: list[int], nbytes: dict[int, int],
+                 unchanged: Collection[int] = ()) -> int:  # fmt: skip
     """Bytes a Belady-optimal cache moves for one step of `chunks` (chunk c weighs nbytes[c]),
     holding at most capacity[t] chunks at access t. The optimizer changes every chunk between
-    steps, so each chunk's first access in a step misses whatever the cache held."""
+    steps but those `unchanged` (frozen), so each other chunk's first access in a step misses
+    whatever the cache held. The step is simulated after one like it (the cache starts as
+    that one left it) and its bytes counted."""
+    steps = chunks + chunks
     future: dict[int, list[int]] = {}
-    for t, c in enumerate(chunks):
+    for t, c in enumerate(steps):
         future.setdefault(c, []).append(t)
     resident: set[int] = set()
-    fresh: set[int] = set()  # loaded during this step
+    fresh: set[int] = set()  # current: loaded during this step, or unchanged since
     moved = 0
-    for t, c in enumerate(chunks):
+    for t, c in enumerate(steps):
+        if t == len(chunks):  # the update: only the unchanged chunks' copies stay current
+            fresh &= set(unchanged)
         if c not in resident or c not in fresh:
-            moved += nbytes[c]
+            moved += nbytes[c] if t >= len(chunks) else 0
             resident.add(c)
             fresh.add(c)
-        while len(resident) > max(capacity[t], 1):
+        while len(resident) > max(capacity[t % len(chunks)], 1):
             victim = max((x for x in resident if x != c), key=lambda x: next_use(future[x], t))
             resident.discard(victim)
     return moved

@@ -503,11 +503,18 @@ def _consolidated(
     the positions of the same parameter list); and each rank's RNG state, read on the way."""
     merged = dict(state["optimizer"]["state"])
     rngs = {0: state["rng"]}
+    kept = state["optimizer"].get("fxstar_device_chunks")  # HybridAdam's device half
     for rank in range(1, int(meta["ranks"])):
         other = _rank_state(directory, meta, rank)
         merged.update(other["optimizer"]["state"])
         rngs[rank] = other["rng"]
-    return {**state, "optimizer": {**state["optimizer"], "state": merged}}, rngs
+        theirs = other["optimizer"].get("fxstar_device_chunks")
+        if kept is not None and theirs is not None:
+            kept = sorted({*kept, *theirs})
+    optimizer = {**state["optimizer"], "state": merged}
+    if "fxstar_device_chunks" in optimizer:
+        optimizer["fxstar_device_chunks"] = kept
+    return {**state, "optimizer": optimizer}, rngs
 
 
 def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> Path:

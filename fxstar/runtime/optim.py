@@ -39,6 +39,7 @@ from fxstar.runtime.grad_norm import GradNorm
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
+from fxstar.runtime.residency import Chunk
 
 
 def _extend(view: torch.Tensor, offset: int, n: int) -> torch.Tensor:
@@ -390,8 +391,12 @@ class HybridAdam(torch.optim.Optimizer):
         whole = [g for g in groups.groups(manager.chunks)
                  if all(lay.chunks[c.id].trainable for c in g)]  # fmt: skip
         ranked = sorted(whole, key=lambda g: (-sum(uses.get(c.id, 0) for c in g), g[0].id))
+        self._keep_whole_groups(ranked[: margin // per_group])
+
+    def _keep_whole_groups(self, chosen: list[list[Chunk]]) -> None:
+        """Keep these chunk groups on the compute tier on every rank (see _keep_groups)."""
+        manager = self.manager
         self._placed = True
-        chosen = ranked[: margin // per_group]
         if chosen:  # every rank from the same resident set: their loads below pair up
             manager.residency.drop_unused()
         for group in chosen:
@@ -437,6 +442,8 @@ class HybridAdam(torch.optim.Optimizer):
         each chunk with the same kernel as the run it continues (bitwise resumption)."""
         state = super().state_dict()
         state["fxstar_device_chunks"] = list(self.device_chunks) if self._placed else None
+        groups = self.manager.data_parallel  # chunk ids name chunks of a layout of this size
+        state["fxstar_data_parallel"] = groups.size if groups is not None else 1
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -444,10 +451,18 @@ class HybridAdam(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         device_chunks = state_dict.pop("fxstar_device_chunks", None)
         groups = self.manager.data_parallel
-        if groups is not None and groups.sharded:  # kept group-wide: chosen at the next step
-            device_chunks = None
+        size = groups.size if groups is not None else 1
+        if state_dict.pop("fxstar_data_parallel", 1) != size:  # another layout's chunk ids
+            device_chunks = None  # the device half is chosen again at the next step
         if self.hybrid and device_chunks is not None and not self._placed:
-            self._keep(device_chunks)
+            # a data-parallel checkpoint holds every rank's kept chunks (saving._consolidated)
+            if groups is not None and groups.sharded:  # whole groups, every rank alike
+                every = groups.groups(self.manager.chunks)
+                self._keep_whole_groups(
+                    [every[i] for i in sorted({c // size for c in device_chunks})]
+                )
+            else:  # each rank its own
+                self._keep([c for c in device_chunks if self.manager.owns(c)])
         self._host_moments()  # the chunk-long moments the loaded values go into
         views = {id(p): dict(s) for p, s in self.state.items()}
         super().load_state_dict(state_dict)

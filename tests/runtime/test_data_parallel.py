@@ -12,7 +12,9 @@ serial comparisons run without it; with dropout the replicas must stay bitwise o
 Spawning costs seconds, so each world size is one spawn that runs every case.
 """
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,9 @@ import fxstar.passes.chunk_layout
 from fxstar.dist_launch import spawn
 from fxstar.errors import CollectiveError
 from fxstar.plan import Plan
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from data_parallel import planned_comm_bytes  # noqa: E402 - the benchmark's, independent
 
 STEPS = 5  # the issue's: 5 steps at world 2 and 4
 PER_RANK = 2  # sequences per rank and step
@@ -174,6 +179,9 @@ SLOW_CASES = {
     "llama": ({**CHUNKS, "optimizer": {"lr": 1e-3, "clip_grad_norm": 0.5}}, "llama", 0.0),
 }  # fmt: skip
 ALL_CASES = {**CASES, **SLOW_CASES}
+# trainable parameters that get no gradient (h.1 under torch.no_grad()): the access plan cannot
+# tell, so planned_comm_bytes counts their gradient units, which nothing reduces
+NO_GRADIENT_FOR_SOME = ("no_grad stem",)
 
 
 def batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -206,18 +214,24 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
     torch.manual_seed(100 + rank)
     losses = []
     micro = plan.optimizer.accumulation_steps
+    groups = engine.chunks.data_parallel
     for ids, targets in batches(world)[: STEPS * micro]:
+        before = groups.bytes_sent + groups.bytes_fetched if groups is not None else 0
         loss = call(engine, model_name, ids[rows], targets[rows])
         loss.backward()
         engine.step()
         losses.append(loss.item())
+    # the last step's bytes through collectives, and what the access plan implies
+    comm = groups.bytes_sent + groups.bytes_fetched - before if groups is not None else 0
+    planned = planned_comm_bytes(engine) if groups is not None and micro == 1 else comm
     names = dict(model.named_parameters())  # sharded: other ranks' chunks are meta here
     state = {n: p.detach().float().clone() for n, p in engine.state_dict().items() if n in names}
     # what a script saves: the model's own state_dict() gathers the other ranks' chunks too
     saved = model.state_dict()
     whole = all(not saved[n].is_meta and torch.equal(saved[n].float(), p) for n, p in state.items())
-    groups = engine.chunks.data_parallel
     info = {
+        "comm": comm,
+        "planned": planned,
         "chunks": len(engine.chunks.layout.chunks),
         "evictions": engine.chunks.stats.evictions,
         "ranks": engine.chunks.layout.ranks,
@@ -287,6 +301,12 @@ def check_cases(world: int, names: list[str]) -> list[dict]:
     results = spawn(_worker, world, names)
     for name in names:
         check_replicas_equal(results, name)
+        for r in results:  # exactly the collectives the layout and the access plan imply
+            info = r[name]["info"]
+            if name in NO_GRADIENT_FOR_SOME:  # their units are not reduced: fewer bytes
+                assert 0 < info["comm"] < info["planned"], name
+            else:
+                assert info["comm"] == info["planned"], name
         if ALL_CASES[name][2] == 0.0:
             check_against_serial(results, name, world)
     return results
@@ -506,6 +526,50 @@ def check_rank_files(directory) -> None:
     loaded = fxstar.load(directory)
     assert set(whole) <= set(loaded.parameters)
     assert all(loaded.parameters[n].shape == p.shape for n, p in whole.items())
+
+
+KEEPING = {"params": "650KiB", "optimizer": "8MiB"}  # shard: a budget with a device half
+
+
+def _kept_across_resume(rank: int, world: int, directory: str) -> dict:
+    """Per KEEPING case: the chunks HybridAdam kept when the checkpoint was saved, the ones a
+    resumed engine keeps once loaded, and the losses after it, resumed and uninterrupted."""
+    data = _global_batches()
+    part = GLOBAL_ROWS // world
+    rows = slice(rank * part, (rank + 1) * part)
+    out = {}
+    for shard, memory in KEEPING.items():
+        plan = Plan.from_dict({**RESUME, "device_memory": memory, "data_parallel_shard": shard})
+        engines = [fxstar.compile(gpt(), plan, example_inputs=(data[0][0][rows],
+                                                               data[0][1][rows]))
+                   for _ in range(2)]  # fmt: skip
+        losses: list[list[float]] = [[], []]
+        for step, (ids, targets) in enumerate(data):
+            for i, engine in enumerate(engines):
+                if i == 1 and step < 2:
+                    continue
+                loss = engine(ids[rows], targets[rows])
+                loss.backward()
+                engine.step()
+                losses[i].append(loss.item())
+            if step == 1:
+                path = f"{directory}/{shard}"
+                engines[0].save(path)
+                engines[1].load(path)
+                saved, restored = engines[0].optimizer.kept, engines[1].optimizer.kept
+        out[shard] = {"saved": saved, "restored": restored, "through": losses[0][2:],
+                      "resumed": losses[1]}  # fmt: skip
+    return out
+
+
+def test_the_device_half_resumes_as_it_was_saved(tmp_path):
+    """A resumed data-parallel run keeps on the compute tier the chunks the saved one kept
+    (sharded: whole groups, alike on every rank; replicated: each rank its own), so each
+    chunk is updated by the kernel it was, and the losses go on bitwise."""
+    for result in spawn(_kept_across_resume, 2, str(tmp_path)):
+        for shard, r in result.items():
+            assert r["saved"] and sorted(r["restored"]) == sorted(r["saved"]), shard
+            assert r["resumed"] == r["through"], shard
 
 
 def test_checkpoint_saved_at_world_2_resumes_at_world_1_and_2(tmp_path):
