@@ -441,9 +441,10 @@ def note_owners(program: Program, layout: ChunkLayout) -> None:
 
 def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> ChunkPlan:
     """The room the chunks have, decided here once for the runtime to follow. On a GPU the
-    arena shares the card with activations, so it leaves them their peak; on a CPU-only
-    machine activations live elsewhere and the share is enforced per moment. Without a budget
-    (bf16/fp16 alone) every chunk stays resident and activations are not budgeted."""
+    arena shares the card with activations (and, with sharded data-parallel payloads, the
+    gradient staging), so it leaves them their peak; on a CPU-only machine activations live
+    elsewhere and the share is enforced per moment. Without a budget (bf16/fp16 alone)
+    every chunk stays resident and activations are not budgeted."""
     budget = budget_bytes(program)
     device = program.compute_device()
     if budget is None:
@@ -451,8 +452,10 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> Chu
         capacity = (len(layout.chunks) + 1) * block
     elif device.type == "cpu":
         capacity = budget
-    else:
-        capacity = budget - max(access.nonmodel_bytes, default=0)
+    else:  # sharded payloads: the gradient staging lives on the card too (NCCL)
+        staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
+                   if layout.ranks > 1 and sharded_payloads(program.plan) else 0)  # fmt: skip
+        capacity = budget - max(access.nonmodel_bytes, default=0) - staging
     return ChunkPlan(
         layout, access, budget, capacity,
         static_share=None if budget is None else static_share(program.plan, budget),

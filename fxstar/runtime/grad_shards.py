@@ -16,6 +16,11 @@ leaves, whose recomputation made new ones) is reduced at the end of backward, in
 Every rank fetches the same leaves and autograd runs them in the same order, so the ranks
 reduce the same units in the same order; a rank that does not hangs the collective until
 `plan.dist_timeout`, which names it.
+
+At most MAX_STAGED units are staged at once: a unit that would be one more first reduces the
+one staged longest with what it has (the sum is linear: what arrives for it later is staged
+and reduced again, and the owner adds it), so the staging a compute tier must hold beside the
+chunks is bounded (on a GPU the staging lives there, and the chunk plan leaves it its room).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.layout import ChunkLayout, ParamSlot
+from fxstar.runtime.layout import MAX_STAGED, ChunkLayout, ParamSlot
 
 if TYPE_CHECKING:
     from fxstar.runtime.data_parallel import ChunkGroups
@@ -59,7 +64,7 @@ class GradShards:
         self.arrived: dict[int, int] = {}  # unit -> gradients handed over
         self.staged: dict[int, torch.Tensor] = {}  # unit -> its staging buffer
         self.names: dict[int, set[str]] = {}  # unit -> slots with a gradient staged
-        self.spare: list[torch.Tensor] = []  # staging buffers kept for reuse (at most 2)
+        self.spare: list[torch.Tensor] = []  # staging buffers kept for reuse (MAX_STAGED)
         self._flush_queued = False
 
     def unit(self, chunk_id: int) -> int:
@@ -75,6 +80,8 @@ class GradShards:
         unit = self.unit(slot.chunk)
         buffer = self.staged.get(unit)
         if buffer is None:
+            if len(self.staged) >= MAX_STAGED:  # the longest staged goes with what it has
+                self._reduce(next(iter(self.staged)), partial=True)
             buffer = self.staged[unit] = self._stage()
             self.names[unit] = set()
         start = (slot.chunk - unit * self.per_unit) * self.chunk_size + slot.offset
@@ -111,10 +118,14 @@ class GradShards:
         self.groups.peak_staging_bytes = max(self.groups.peak_staging_bytes, held)
         return buffer
 
-    def _reduce(self, unit: int) -> None:
+    def _reduce(self, unit: int, *, partial: bool = False) -> None:
+        """Reduce a staged unit; `partial`: before all its gradients arrived (the rest are
+        still expected, and reduced when they have)."""
         buffer, names = self.staged.pop(unit), self.names.pop(unit)
-        self.arrived.pop(unit, None)
-        self.expected.pop(unit, None)
+        arrived = self.arrived.pop(unit, 0)
+        expected = self.expected.pop(unit, 0)
+        if partial:
+            self.expected[unit] = expected - arrived
         first = unit * self.per_unit
         ids = range(first, first + self.per_unit)
         mine = self.groups.reduce_unit(buffer, [self.groups.owner(i) for i in ids],
@@ -128,7 +139,7 @@ class GradShards:
         self._recycle(buffer)
 
     def _recycle(self, buffer: torch.Tensor) -> None:
-        if len(self.spare) < 2:
+        if len(self.spare) < MAX_STAGED:
             self.spare.append(buffer)
 
     def discard(self) -> None:

@@ -22,6 +22,9 @@ import torch
 HOST_ALIGNMENT = 64  # bytes: every chunk's host part starts on a cache line
 
 
+MAX_STAGED = 2  # gradient units a rank stages at once with sharded payloads (grad_shards.py)
+
+
 def host_parts(dtype: torch.dtype, lengths: list[int]) -> list[slice]:
     """Consecutive element ranges of these lengths in one host buffer, each start aligned: on
     the host a chunk takes what its parameters reach, not its padding (only `used` elements
@@ -126,6 +129,11 @@ class ChunkLayout:
         low_precision = self.dtype != torch.float32
         payloads = 1 if share_room else 2
         return payloads * self.chunk_bytes + self.chunk_size * 4 * (2 + low_precision)
+
+    def staging_bytes(self, *, mem_saving: bool) -> int:
+        """The most gradient staging a rank holds at once with sharded payloads: MAX_STAGED
+        units of a group's N chunks (of one chunk with mem_saving_comm)."""
+        return MAX_STAGED * (1 if mem_saving else self.ranks) * self.chunk_bytes
 
     def slots(self) -> dict[str, ParamSlot]:
         """Every alias -> its slot."""
