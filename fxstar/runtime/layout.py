@@ -132,8 +132,11 @@ class ChunkLayout:
 
     def staging_bytes(self, *, mem_saving: bool) -> int:
         """The most gradient staging a rank holds at once with sharded payloads: MAX_STAGED
-        units of a group's N chunks (of one chunk with mem_saving_comm)."""
-        return MAX_STAGED * (1 if mem_saving else self.ranks) * self.chunk_bytes
+        units of a group's N chunks and the reduce-scatter's one-chunk output (of one chunk,
+        reduced in place, with mem_saving_comm)."""
+        if mem_saving:
+            return MAX_STAGED * self.chunk_bytes
+        return (MAX_STAGED * self.ranks + 1) * self.chunk_bytes
 
     def slots(self) -> dict[str, ParamSlot]:
         """Every alias -> its slot."""
