@@ -314,8 +314,7 @@ class Engine(nn.Module):
             return
         first = TP_GROUP not in self.shared
         if first:  # one process group per engine, with plan.dist_timeout, gone with it
-            partition = mesh.tp_groups() if mesh.dp > 1 else None
-            group = self.shared[TP_GROUP] = tp.new_group(timeout, partition)
+            group = self.shared[TP_GROUP] = tp.new_group(timeout, mesh.tp_partition())
             weakref.finalize(self, group.release).atexit = False
         agreement.agree(program, self.shared[TP_GROUP], tensors=first)
 

@@ -63,6 +63,10 @@ class MeshLayout:
         """Every data-parallel group's global ranks: the same tp rank of each replica."""
         return [[d * self.tp + t for d in range(self.dp)] for t in range(self.tp)]
 
+    def tp_partition(self) -> list[list[int]] | None:
+        """The tensor-parallel groups an engine makes: None when one spans every rank."""
+        return self.tp_groups() if self.dp > 1 else None
+
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 

@@ -297,7 +297,7 @@ def _gather(group: tp.TPGroup | None, give: Callable[[], Any]) -> list[Any]:
     gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
     with tp.guard("gather_object (checkpoint save)", group):
-        dist.gather_object(mine, gathered, dst=tp.global_rank(group, 0), group=pg)
+        dist.gather_object(mine, gathered, group=pg, group_dst=0)
     return gathered if rank == 0 else []
 
 
@@ -530,8 +530,7 @@ def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> 
             outcome[0] = CheckpointError(f"rank 0 failed to save the checkpoint: {caught}")
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
     with tp.guard("broadcast_object_list (checkpoint save)", group):
-        dist.broadcast_object_list(outcome, src=tp.global_rank(group, 0),
-                                   group=tp.process_group(group))  # fmt: skip
+        dist.broadcast_object_list(outcome, group=tp.process_group(group), group_src=0)
     if error is not None:
         raise error
     if isinstance(outcome[0], Exception):
@@ -806,11 +805,7 @@ class Checkpoint:
         states are the ranks' own at the same world size, rank 0's otherwise); anything else is
         refused here."""
         ranks, mine = self.meta.get("ranks", 1), _ranks(engine)
-        plan = self.meta.get("plan")
-        saved = plan.get("tensor_parallel") if isinstance(plan, dict) else None
-        saved_tp = saved.get("size", ranks) if isinstance(saved, dict) else ranks
-        if _data_parallel(self.meta) > 1:  # data parallel alone, or a 2-D mesh
-            saved_tp = _saved_tp(self.meta)
+        saved_tp = _saved_tp(self.meta)
         config = engine.plan.tensor_parallel
         my_tp = config.size if config is not None else 1
         if saved_tp == my_tp == 1 and (_data_parallel(self.meta) > 1 or ranks == 1):

@@ -60,8 +60,7 @@ def _consolidate(dim: int, parts: int, group: tp.TPGroup):
 def _engine_group(program: Program) -> tp.TPGroup:
     """A process group with plan.dist_timeout, destroyed when the engine's parameter store is
     freed (the Engine has no hook for it yet)."""
-    mesh = mesh_layout(program.plan)
-    group = tp.new_group(program.plan.dist_timeout, mesh.tp_groups() if mesh.dp > 1 else None)
+    group = tp.new_group(program.plan.dist_timeout, mesh_layout(program.plan).tp_partition())
     if program.store is not None:
         weakref.finalize(program.store, group.release).atexit = False
     return group

@@ -152,12 +152,13 @@ class ChunkGroups:
         return flags.bool()
 
     def _one_per_owner(self, tensors: list[torch.Tensor], collective, what: str) -> None:
-        """`collective(tensor, owner)` for each tensor of a group, in place: one chunk's room
-        at a time, no buffer (PatrickStar's memory-saving communication)."""
+        """`collective(tensor, owner)` (the owner's rank in the group) for each tensor of a
+        group, in place: one chunk's room at a time, no buffer (PatrickStar's memory-saving
+        communication)."""
         with self._guard(what):
             for owner, tensor in enumerate(tensors):
                 if tensor.numel():
-                    collective(tensor, comm.global_rank(self.group, owner), group=self.pg)
+                    collective(tensor, owner)
                     self.bytes_sent += tensor.nbytes
 
     def reduce_group(self, grads: list[torch.Tensor], chunk_size: int) -> torch.Tensor | None:
@@ -166,7 +167,9 @@ class ChunkGroups:
         mine = grads[self.rank]
         if self.mem_saving:  # gloo's reduce overwrites the input of the other ranks: they
             # drop their gradients anyway (reduce_to_owners gives their rooms back)
-            self._one_per_owner(grads, dist.reduce, "reducing gradients to their owner")
+            self._one_per_owner(grads, lambda t, owner: dist.reduce(t, group=self.pg,
+                                                                    group_dst=owner),
+                                "reducing gradients to their owner")  # fmt: skip
             return mine if mine.numel() else None
         like = next(g for g in grads if g.numel())
         flat = self._buffer((self.size + 1) * chunk_size, like)
@@ -184,7 +187,9 @@ class ChunkGroups:
     def gather_group(self, homes: list[torch.Tensor], chunk_size: int) -> None:
         """Every rank's `homes[i]` becomes owner i's (each `used` long, fp32)."""
         if self.mem_saving:
-            self._one_per_owner(homes, dist.broadcast, "broadcasting updates from their owner")
+            self._one_per_owner(homes, lambda t, owner: dist.broadcast(t, group=self.pg,
+                                                                       group_src=owner),
+                                "broadcasting updates from their owner")  # fmt: skip
             return
         like = next(h for h in homes if h.numel())
         flat = self._buffer((self.size + 1) * chunk_size, like)
@@ -210,7 +215,7 @@ class ChunkGroups:
         """Rank 0's values everywhere (a replica starts as rank 0's model, as DDP's does)."""
         with self._guard(f"broadcasting {what} from rank 0"):
             for t in tensors:
-                dist.broadcast(t, src=comm.global_rank(self.group, 0), group=self.pg)
+                dist.broadcast(t, group=self.pg, group_src=0)
 
     # -- the chunks' side ---------------------------------------------------------------------
 

@@ -44,7 +44,6 @@ from fxstar.errors import CollectiveError
 from fxstar.runtime.buffer_pool import BufferPool
 from fxstar.runtime.tp_group import (
     TPGroup,
-    global_rank,
     group_timeout,
     guard,
     new_group,
@@ -62,7 +61,6 @@ __all__ = [
     "full_shape",
     "gather_from_seq",
     "gather_shards",
-    "global_rank",
     "grad_all_reduce",
     "group_timeout",
     "guard",
@@ -103,7 +101,7 @@ class _Works:
 class Collectives:
     """The collectives the TP ops use, over `group` (a `TPGroup`; None = torch's default
     group, with buffers of its own). `rank` and `world` are the group's (a row of a 2-D mesh
-    is not every rank); rooted collectives name their root by its global rank.
+    is not every rank); rooted collectives name their root by its group rank (group_src).
 
     `op` and `phase` name the caller in errors ('all_gather in column_linear backward').
     `mem_saving`: all-gather as N broadcasts, reduce-scatter as N reduces through one scratch
@@ -144,7 +142,7 @@ class Collectives:
             ])  # fmt: skip
         flat[self.rank].copy_(own)
         return self._issue("all_gather (as broadcasts)", lambda: [
-            dist.broadcast(flat[src], global_rank(self.group, src), group=pg, async_op=async_op)
+            dist.broadcast(flat[src], group=pg, async_op=async_op, group_src=src)
             for src in range(self.world)
         ])  # fmt: skip
 
@@ -162,7 +160,7 @@ class Collectives:
             scratch = self.buffers.get("scratch", (out.numel(),), out)
             for dst in range(self.world):
                 scratch.copy_(parts[dst])
-                dist.reduce(scratch, global_rank(self.group, dst), group=pg)
+                dist.reduce(scratch, group=pg, group_dst=dst)
                 if dst == self.rank:
                     out.view(-1).copy_(scratch)
             return []
@@ -171,13 +169,13 @@ class Collectives:
 
     def broadcast(self, x: torch.Tensor, src: int) -> None:
         """x becomes rank `src`'s x (a group rank), in place."""
-        pg, root = self.pg, global_rank(self.group, src)
-        self._issue("broadcast", lambda: [dist.broadcast(x, root, group=pg)]).wait()
+        pg = self.pg
+        self._issue("broadcast", lambda: [dist.broadcast(x, group=pg, group_src=src)]).wait()
 
     def reduce(self, x: torch.Tensor, dst: int) -> None:
         """Rank `dst`'s x becomes the sum of every rank's (gloo overwrites the others')."""
-        pg, root = self.pg, global_rank(self.group, dst)
-        self._issue("reduce", lambda: [dist.reduce(x, root, group=pg)]).wait()
+        pg = self.pg
+        self._issue("reduce", lambda: [dist.reduce(x, group=pg, group_dst=dst)]).wait()
 
     def all_reduce(
         self, x: torch.Tensor, async_op: bool = False, op: Any = dist.ReduceOp.SUM

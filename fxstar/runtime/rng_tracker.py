@@ -101,7 +101,7 @@ def new_stream(group: TPGroup) -> RankStream:
     pg = process_group(group)
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
     with guard("broadcast of the RNG tracker's seed", group):
-        dist.broadcast(seed, dist.get_global_rank(pg, 0), group=pg)
+        dist.broadcast(seed, group=pg, group_src=0)
     group.stream = RankStream(int(seed.item()) + SEED_OFFSET + dist.get_rank(pg))
     return group.stream
 

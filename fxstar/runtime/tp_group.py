@@ -6,8 +6,8 @@ and run next to another engine's without either reaching the other's state, and 
 outlives the engine in module globals.
 
 Under a 2-D mesh (fxstar/mesh.py) a group spans only some ranks: a group rank is then not a
-global rank, and torch's rooted collectives (broadcast's src, reduce's dst) take the global
-one: `global_rank` converts.
+global rank, so rooted collectives name their root by its group rank (torch's `group_src`,
+`group_dst`).
 
 Failures: an engine's group is made with `plan.dist_timeout`, so a rank that stopped (crashed,
 skipped a step, diverged) makes the others raise a `CollectiveError` naming the collective
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TPGroup",
-    "global_rank",
     "group_timeout",
     "guard",
     "new_group",
@@ -102,14 +101,6 @@ def new_group(timeout: float, partition: list[list[int]] | None = None) -> TPGro
             f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
         ) from error
     return TPGroup(pg, float(timeout), ranks)
-
-
-def global_rank(group: TPGroup | None, group_rank: int) -> int:
-    """The global rank of `group`'s rank `group_rank` (what broadcast's src and reduce's dst
-    name); the same number when the group spans every rank."""
-    if group is None or group.ranks is None:
-        return group_rank
-    return group.ranks[group_rank]
 
 
 def release_group(group: TPGroup | None) -> None:
