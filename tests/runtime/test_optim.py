@@ -318,14 +318,29 @@ def detached_reuse() -> DetachedReuse:
     return DetachedReuse()
 
 
-def _bf16_runs(factory, drive, **plan_options) -> dict:
+def llama_defaults() -> torch.nn.Module:
+    """transformers' Llama defaults (use_cache=True, untied head) but for the sizes."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+ROOM_MODELS = {"gpt": tiny_gpt, "llama": llama_defaults}  # the GPT: biases, dropout 0.1
+
+
+def _bf16_runs(factory, drive, kind: str = "gpt") -> dict:
     """`drive(engine)` on bf16 chunks, everything kept on the compute tier (the C++ kernel,
     as on the host) and everything on the host: their losses and parameters."""
     runs = {}
     for keep in (True, False):
         plan = Plan(precision="bf16", device_memory="1GiB", optimizer=OPT, hybrid_adam=keep,
-                    chunk_size=4096, **plan_options)  # fmt: skip
-        engine = compile(factory(), plan, **example("gpt", *tokens()))
+                    chunk_size=4096)  # fmt: skip
+        engine = compile(factory(), plan, **example(kind, *tokens()))
         engine.chunks.checking = True
         losses = drive(engine)
         runs[keep] = engine, losses, [p.detach().clone() for p in engine.parameters()]
@@ -340,11 +355,23 @@ def _assert_bitwise(runs: dict) -> None:
     assert all(torch.equal(p, q) for p, q in zip(kept_params, host_params, strict=True))
 
 
-def test_kept_bf16_chunks_take_their_gradient_in_the_payload_room():
+@pytest.mark.parametrize("kind", ROOM_MODELS)
+def test_kept_bf16_chunks_take_their_gradient_in_the_payload_room(kind):
     """14 bytes per kept parameter, as on the host: the gradient has no buffer of its own
     but the compute payload's room, the moments and the master beside it; and the training
-    is bitwise the host chunks' (the same kernel)."""
-    runs = _bf16_runs(gpt_without_biases, lambda engine: [float(x) for x in train_steps(engine, 4)])
+    is bitwise the host chunks' (the same kernel, the same dropout draws)."""
+
+    def drive(engine) -> list[float]:
+        losses = []
+        for step in range(4):
+            torch.manual_seed(step)
+            loss = call(kind, engine, *tokens(seed=step))
+            loss.backward()
+            engine.step()
+            losses.append(float(loss))
+        return losses
+
+    runs = _bf16_runs(ROOM_MODELS[kind], drive, kind)
     _assert_bitwise(runs)
     engine = runs[True][0]
     manager, n = engine.chunks, engine.chunks.layout.chunk_size
