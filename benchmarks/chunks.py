@@ -14,7 +14,7 @@ import bisect
 import json
 import statistics
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -42,12 +42,14 @@ class Row:
 
 
 def belady_bytes(chunks: list[int], capacity: list[int], nbytes: dict[int, int],
-                 unchanged: Collection[int] = ()) -> int:  # fmt: skip
+                 unchanged: Collection[int] = (),
+                 in_use: Sequence[Collection[int]] = ()) -> int:  # fmt: skip
     """Bytes a Belady-optimal cache moves for one step of `chunks` (chunk c weighs nbytes[c]),
-    holding at most capacity[t] chunks at access t. The optimizer changes every chunk between
-    steps but those `unchanged` (frozen), so each other chunk's first access in a step misses
-    whatever the cache held. The step is simulated after one like it (the cache starts as
-    that one left it) and its bytes counted."""
+    holding at most capacity[t] chunks at access t, and never evicting those `in_use[t]`
+    (when given: the chunks a step still reads then). The optimizer changes every chunk
+    between steps but those `unchanged` (frozen), so each other chunk's first access in a
+    step misses whatever the cache held. The step is simulated after one like it (the cache
+    starts as that one left it) and its bytes counted."""
     steps = chunks + chunks
     future: dict[int, list[int]] = {}
     for t, c in enumerate(steps):
@@ -62,8 +64,10 @@ def belady_bytes(chunks: list[int], capacity: list[int], nbytes: dict[int, int],
             moved += nbytes[c] if t >= len(chunks) else 0
             resident.add(c)
             fresh.add(c)
+        busy = set(in_use[t % len(chunks)]) if in_use else set()
         while len(resident) > max(capacity[t % len(chunks)], 1):
-            victim = max((x for x in resident if x != c), key=lambda x: next_use(future[x], t))
+            victim = max((x for x in resident if x != c and x not in busy),
+                         key=lambda x: next_use(future[x], t))  # fmt: skip
             resident.discard(victim)
     return moved
 

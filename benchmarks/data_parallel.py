@@ -92,17 +92,19 @@ def _timed(args: argparse.Namespace, step, batches) -> float:
 
 def planned_comm_bytes(engine: fxstar.Engine) -> int:
     """The bytes a rank hands to or takes from collectives in one training step, from the
-    layout and the access plan alone (not the runtime's counters). Sharded: every load of a
-    chunk is a broadcast of its payload, the loads being what a Belady cache of the plan's
-    share at each access makes (benchmarks/chunks.py's simulator; every trainable chunk
-    changes at each step, so its first access misses; a frozen one stays), but for the
-    chunks kept on the compute tier, whose owners broadcast them once after the step; each
-    unit of gradients
-    (a group, or a chunk with mem_saving_comm) is reduced once. Replicated: each group's
-    gradients reduce-scattered (its N chunks) and its updated fp32 parameters all-gathered
-    (one chunk a rank); with mem_saving_comm, one reduce and one broadcast per chunk. Both:
-    the gradients of parameters outside the chunks averaged; a torch optimizer's steps every
-    parameter on every rank, all gradients averaged."""
+    layout and the access plan alone (not the runtime's counters).
+
+    Sharded: every load is an all-gather of a chunk's whole group (with mem_saving_comm, a
+    broadcast of the chunk's payload); the loads are what a Belady cache of the plan's share
+    at each access makes (benchmarks/chunks.py's simulator; a group with a trainable chunk
+    changes at each step, so its first access misses; a frozen one stays). The chunks kept
+    on the compute tier are left out: their owners broadcast them once after the step. Each
+    unit of gradients (a group, or a chunk with mem_saving_comm) is reduced once.
+
+    Replicated: each group's gradients reduce-scattered (its N chunks) and its updated fp32
+    parameters all-gathered (one chunk a rank); with mem_saving_comm, one reduce and one
+    broadcast per chunk. Both: the gradients of parameters outside the chunks averaged. A
+    torch optimizer steps every parameter on every rank: all gradients averaged."""
     from chunks import belady_bytes
 
     from fxstar.runtime.optim import HybridAdam
@@ -117,18 +119,22 @@ def planned_comm_bytes(engine: fxstar.Engine) -> int:
         return sum(p.numel() * p.element_size() for p in grads)
     loose = sum(p.numel() * p.element_size() for p in grads if id(p) not in in_chunks)
     if groups.sharded:
-        plan = manager.residency.plan
+        plan, unit = manager.residency.plan, manager.residency.load_unit
         kept = {c.id for c in manager.chunks if c.fixed}
-        capacity = [manager.share(t) // layout.chunk_bytes for t in range(len(plan))]
-        used = {c.id: c.used * itemsize for c in layout.chunks}
-        accesses = [c for c in plan.chunks if c not in kept]
-        frozen = [c.id for c in layout.chunks if not c.trainable]
-        loads = belady_bytes(accesses, [capacity[t] for t, c in enumerate(plan.chunks)
-                                        if c not in kept], used, frozen)  # fmt: skip
+        block = unit * layout.chunk_bytes  # what one load takes on the compute tier
+        capacity = [manager.share(t) // block for t in range(len(plan))]
+        # a load is a broadcast of one chunk's used bytes, or an all-gather of a whole group
+        weight = {c.id // unit: c.used * itemsize if unit == 1 else block for c in layout.chunks}
+        steps = [t for t, c in enumerate(plan.chunks) if c not in kept]
+        changed = {c.id // unit for c in trainable}  # a group changes with any member
+        loads = belady_bytes([plan.chunks[t] // unit for t in steps],
+                             [capacity[t] for t in steps], weight,
+                             [g for g in weight if g not in changed],
+                             [{c // unit for c in plan.in_use[t]} for t in steps])  # fmt: skip
         per_unit = 1 if groups.mem_saving else groups.size
         units = {c.id // per_unit for c in trainable}
-        return (loads + sum(used[c] for c in kept) + len(units) * per_unit * layout.chunk_bytes
-                + loose)  # fmt: skip
+        kept_bytes = sum(c.used * itemsize for c in layout.chunks if c.id in kept)
+        return loads + kept_bytes + len(units) * per_unit * layout.chunk_bytes + loose
     rooms = [[c for c in g if c.trainable] for g in groups.groups(layout.chunks)]
     rooms = [g for g in rooms if g]
     if groups.mem_saving:

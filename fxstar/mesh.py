@@ -29,6 +29,7 @@ __all__ = [
     "data_parallel_size",
     "mesh_layout",
     "sharded_payloads",
+    "load_unit",
 ]
 
 DP_GROUP = "data_parallel_group"  # Program.shared key: the engine's data-parallel group
@@ -129,3 +130,13 @@ def sharded_payloads(plan: Any) -> bool:
             "(HybridAdam steps each rank's own chunks) or data_parallel_shard='optimizer'"
         )
     return shard == "params"
+
+
+def load_unit(plan: Any) -> int:
+    """Chunks one load brings to the compute tier: with sharded payloads a chunk's whole group,
+    gathered by one all-gather into one block (ZeRO-3's gather); with mem_saving_comm, or
+    without sharded payloads, the chunk alone (a broadcast from its owner, or a copy)."""
+    size = data_parallel_size(plan)
+    if size == 1 or plan.mem_saving_comm or not sharded_payloads(plan):
+        return 1
+    return size

@@ -28,7 +28,7 @@ from torch import fx
 
 from fxstar.dump import note
 from fxstar.errors import FxstarError
-from fxstar.mesh import sharded_payloads
+from fxstar.mesh import load_unit, sharded_payloads
 from fxstar.passes import Pass, register
 from fxstar.passes.activation_checkpoint import region_calls, region_inputs
 from fxstar.passes.chunk_layout import (
@@ -42,7 +42,7 @@ from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
 from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
-from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan, blocks_at_once
 
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
 
@@ -255,7 +255,9 @@ def nonmodel_estimate(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     return out
 
 
-def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node]) -> AccessPlan:
+def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node],
+                unit: int = 1) -> AccessPlan:  # fmt: skip
+    """The step's accesses; `unit`: chunks one load brings (mesh.load_unit)."""
     plan = AccessPlan([], [], [], [])
     estimate = nonmodel_estimate(original)
     slots = layout.slots()
@@ -273,7 +275,8 @@ def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node]
                 plan.nonmodel_bytes.append(
                     _next_original(node, estimate) if nonmodel is None else nonmodel
                 )
-                plan.pinned_at_once.append(len(open_chunks))
+                plan.pinned_at_once.append(blocks_at_once(open_chunks, unit))
+                plan.in_use.append(tuple(sorted(open_chunks)))
             elif node.target is ops.release and phase == "forward":
                 open_chunks.discard(node.args[1])
             elif node in regions:
@@ -290,7 +293,8 @@ def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node]
             plan.chunks.append(chunk)
             plan.phases.append("backward")
             plan.nonmodel_bytes.append(estimate[node])
-            plan.pinned_at_once.append(len(set(needed)))
+            plan.pinned_at_once.append(blocks_at_once(set(needed), unit))
+            plan.in_use.append(tuple(sorted(set(needed))))
     return plan
 
 
@@ -322,6 +326,7 @@ class AccessForecast:
 
     def __init__(self, program: Program):
         gm = program.graph_module
+        self.load_unit = load_unit(program.plan)
         top = parameter_placeholders(program)
         # a copy of the top-level graph whose region calls no longer read parameters, as
         # after move_into_regions; the regions' own graphs are only read
@@ -362,7 +367,8 @@ class AccessForecast:
                     plan.chunks.append(chunk)
                     plan.phases.append(phase)
                     plan.nonmodel_bytes.append(nonmodel if node is None else self.estimate[node])
-                    plan.pinned_at_once.append(len(open_chunks))
+                    plan.pinned_at_once.append(blocks_at_once(open_chunks, self.load_unit))
+                    plan.in_use.append(tuple(sorted(open_chunks)))
                 elif kind == "release" and phase == "forward":
                     open_chunks.discard(chunk)
                 elif node in regions:
@@ -380,7 +386,8 @@ class AccessForecast:
                 plan.chunks.append(chunk)
                 plan.phases.append("backward")
                 plan.nonmodel_bytes.append(self.estimate[node])
-                plan.pinned_at_once.append(len(set(needed)))
+                plan.pinned_at_once.append(blocks_at_once(set(needed), self.load_unit))
+                plan.in_use.append(tuple(sorted(set(needed))))
         return plan
 
 
@@ -418,7 +425,7 @@ class ChunkSchedule(Pass):
         original = rewrite(program, layout, fetches)
         if layout.ranks > 1:
             note_owners(program, layout)
-        access = access_plan(program.graph_module, layout, original)
+        access = access_plan(program.graph_module, layout, original, load_unit(program.plan))
         check_budget(access, layout, program)
         program.decisions.chunk_plan = chunk_plan(program, layout, access)
         return program
@@ -426,17 +433,22 @@ class ChunkSchedule(Pass):
 
 def note_owners(program: Program, layout: ChunkLayout) -> None:
     """Data parallel: each fetch node names its chunk's owner in the dump, and what a load
-    of it does (sharded payloads: a broadcast from the owner; its gradients reduced to the
-    owner during backward, runtime/grad_shards.py)."""
-    sharded = sharded_payloads(program.plan)
+    of it does with sharded payloads: its group all-gathered (or, with mem_saving_comm, a
+    broadcast from the owner); its gradients are reduced to the owner during backward,
+    runtime/grad_shards.py."""
+    load = ""
+    if sharded_payloads(program.plan):
+        unit = load_unit(program.plan)
+        load = (": group {group} all-gathered when loaded" if unit > 1
+                else ": broadcast from it when loaded")  # fmt: skip
     for module in program.graph_module.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target is ops.fetch:
-                owner = layout.owner(node.args[1])
-                note(node, "dp", f"owner rank {owner}"
-                     + (": broadcast from it when loaded" if sharded else ""))  # fmt: skip
+                chunk = node.args[1]
+                group = chunk // layout.ranks
+                note(node, "dp", f"owner rank {layout.owner(chunk)}" + load.format(group=group))
 
 
 def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> ChunkPlan:
@@ -459,7 +471,7 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> Chu
     return ChunkPlan(
         layout, access, budget, capacity,
         static_share=None if budget is None else static_share(program.plan, budget),
-        device=str(device), mem_cache=program.plan.mem_cache,
+        device=str(device), mem_cache=program.plan.mem_cache, load_unit=load_unit(program.plan),
     )  # fmt: skip
 
 

@@ -102,6 +102,7 @@ class ChunkManager:
         overlap_grad_copies: bool | None = None,
         grads_in_host: bool = True,
         data_parallel: ChunkGroups | None = None,
+        load_unit: int = 1,
     ):
         self.layout = layout
         self.data_parallel = data_parallel  # chunk owners and their collectives, or None
@@ -121,6 +122,11 @@ class ChunkManager:
         # bf16/fp16: a chunk's gradient takes the room of its host payload (PatrickStar)
         self.grads_in_host = self.low_precision and grads_in_host
         self.sharded = data_parallel is not None and data_parallel.sharded
+        if load_unit != 1 and not (self.sharded and load_unit == data_parallel.size):
+            raise ValueError(
+                f"load_unit {load_unit}: a load brings a whole group only with sharded "
+                "data-parallel payloads, and then the group's size"
+            )
         self.chunks, self.stable = self._make_homes(params, masters or params, pin)
         if self.sharded:  # the owners take rank 0's values
             data_parallel.start_sharded(self, masters or params)
@@ -131,6 +137,7 @@ class ChunkManager:
             stats=self.stats, tracer=self.tracer, budget=budget, static_share=static_share,
             mem_cache=mem_cache, prefetch=pin if prefetch is None else prefetch,
             copy_stream=copy_stream, owners=data_parallel if self.sharded else None,
+            load_unit=load_unit,
         )  # fmt: skip
         # Gradient copies run beside backward: on the copy stream on CUDA; on a CPU-only
         # machine (where the copy is a memcpy into the host buffer) on a worker thread, off by
@@ -310,7 +317,7 @@ class ChunkManager:
         return cls(
             plan.layout, params, budget=plan.budget, arena_capacity=plan.arena_capacity,
             device=plan.device, static_share=plan.static_share, mem_cache=plan.mem_cache,
-            **options,
+            load_unit=plan.load_unit, **options,
         )  # fmt: skip
 
     @contextlib.contextmanager

@@ -20,6 +20,14 @@ all-gather of each group, or with `mem_saving` N broadcasts straight into the ho
 receivers round their low-precision payloads from them. Optimizers other than HybridAdam
 step every parameter on every rank: `average` all-reduces every gradient instead.
 
+With sharded payloads (`sharded`, ZeRO-3) a rank holds the homes of its own chunks only. A
+load of a chunk gathers its whole group into one arena block of N chunks (`gather`: one
+all-gather, in place, each rank's own chunk copied into its place first; the residency loads
+and evicts whole groups, runtime/residency.py); with `mem_saving` it is one broadcast of the
+chunk alone from its owner into its own block (`fetch`), so the compute tier needs room for
+one chunk rather than a group. Gradients go to their owners during backward
+(runtime/grad_shards.py).
+
 The process group is the engine's own (runtime/dist.new_group, with plan.dist_timeout), so a
 rank that stopped makes the others raise a CollectiveError naming the collective.
 """
@@ -77,9 +85,11 @@ class ChunkGroups:
     def describe(self, kept: int = 0) -> str:
         """The report's line; `kept`: chunks every rank keeps on the compute tier (sharded)."""
         if self.sharded:
-            way = ("payloads sharded: a chunk fetched from its owner by a broadcast into the "
-                   "arena, gradients reduced to it during backward "
-                   + ("chunk by chunk" if self.mem_saving else "group by group")
+            way = ("payloads sharded: " + ("a chunk fetched from its owner by a broadcast into "
+                   "its arena block, gradients reduced to it during backward chunk by chunk"
+                   if self.mem_saving else "a chunk's group all-gathered into one arena "
+                   "block of N chunks, gradients reduce-scattered during backward group by "
+                   "group")
                    + (f"; {kept} chunks kept on the compute tier by every rank"
                       if kept else ""))  # fmt: skip
         else:
@@ -123,9 +133,22 @@ class ChunkGroups:
             self.bytes_fetched += payload.nbytes
         return work
 
+    def gather(self, first: int, block: torch.Tensor, *, wait: bool = True
+               ) -> dist.Work | None:  # fmt: skip
+        """Sharded, group loads: the payloads of the group whose first chunk is `first` into
+        one arena block of N chunks, by one all-gather in place (ZeRO-3's gather): every
+        rank's own chunk is in its place in the block already. `wait` as for fetch."""
+        size = block.numel() // self.size
+        own = block[self.rank * size : (self.rank + 1) * size]
+        with self._guard(f"all-gathering chunks {first} to {first + self.size - 1}"):
+            work = comm._all_gather_single(block, own, group=self.pg, async_op=not wait)
+        self.bytes_sent += own.nbytes
+        self.bytes_fetched += block.nbytes - own.nbytes
+        return work
+
     def arrived(self, chunk_id: int, work: dist.Work) -> None:
-        """A prefetch's broadcast is done (an error names the chunk and its owner)."""
-        with self._guard(f"fetching chunk {chunk_id} from rank {self.owner(chunk_id)}"):
+        """A prefetch's broadcast or gather is done (an error names the chunk)."""
+        with self._guard(f"fetching chunk {chunk_id} (owner rank {self.owner(chunk_id)})"):
             work.wait()
 
     def reduce_unit(self, staged: torch.Tensor, owners: list[int], chunk_size: int

@@ -25,6 +25,15 @@ HOST_ALIGNMENT = 64  # bytes: every chunk's host part starts on a cache line
 MAX_STAGED = 2  # gradient units a rank stages at once with sharded payloads (grad_shards.py)
 
 
+def blocks_at_once(chunks: Collection[int], load_unit: int) -> int:
+    """Chunk blocks the compute tier holds while `chunks` are resident: with group loads
+    (`load_unit` N: a chunk comes with its whole group, gathered at once) every group they
+    touch, whole."""
+    if load_unit == 1:
+        return len(chunks)
+    return len({c // load_unit for c in chunks}) * load_unit
+
+
 def host_parts(dtype: torch.dtype, lengths: list[int]) -> list[slice]:
     """Consecutive element ranges of these lengths in one host buffer, each start aligned: on
     the host a chunk takes what its parameters reach, not its padding (only `used` elements
@@ -179,7 +188,10 @@ class AccessPlan:
     chunks: list[int]  # chunk id per access
     phases: list[str]  # "forward" or "backward" per access
     nonmodel_bytes: list[int]  # expected bytes besides chunks at each access
-    pinned_at_once: list[int]  # chunks that must be resident together at each access
+    pinned_at_once: list[int]  # chunk blocks that must be resident together at each access
+    # the chunks in use at each access (fetched and not yet released, the accessed one among
+    # them): what no eviction may take then; empty where unknown (a plan made by hand)
+    in_use: list[tuple[int, ...]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -214,15 +226,20 @@ class ChunkPlan:
     static_share: int | None = None  # static_partition: the chunks' fixed share of the budget
     device: str = "cpu"
     mem_cache: int = 2  # freed chunk blocks kept for reuse
+    # chunks one load brings: 1, or with sharded data-parallel payloads (not mem_saving_comm)
+    # the chunk's whole group of N, gathered into one block of N chunks by one all-gather
+    load_unit: int = 1
     observed: Observed | None = None  # what the step this plan was refined from measured
 
     def refined(self, observed: Observed) -> ChunkPlan:
         """A plan whose access order and bytes besides chunks are what `observed` measured;
         the room (budget, share, capacity) stays this plan's."""
         n = len(observed.chunks)
-        pinned = self.access.pinned_at_once if len(self.access) == n else [1] * n
+        same = len(self.access) == n
+        pinned = self.access.pinned_at_once if same else [self.load_unit] * n
         access = AccessPlan(list(observed.chunks), list(observed.phases),
-                            list(observed.nonmodel_bytes), list(pinned))  # fmt: skip
+                            list(observed.nonmodel_bytes), list(pinned),
+                            list(self.access.in_use) if same else [])  # fmt: skip
         return dataclasses.replace(self, access=access, observed=observed)
 
     def describe(self) -> str:

@@ -5,9 +5,16 @@ access makes room for its chunk within the share of the budget that access may u
 by Belady's rule (the resident chunk used again farthest ahead), copies the chunk in from its
 host home when it is not resident or its resident copy is stale, and then starts copying the
 next planned chunk when that fits without evicting anything (prefetch). It also hands out
-tensors viewing a resident chunk's arena memory. The ChunkManager owns one Residency and
-delegates to it (composition: the resident set, the block cache and the step's plan are state
-nothing else writes); the other collaborators reach the chunks through it.
+tensors viewing a resident chunk's arena memory.
+
+With sharded data-parallel payloads a load brings a chunk's whole group (`load_unit` N,
+ChunkPlan.load_unit): the group's N chunks take one arena block, filled by one all-gather (each
+rank copies its own chunk into its place first), and are evicted together, Belady's rule
+weighing a group by its member used soonest (PatrickStar's and ZeRO-3's group fetch).
+
+The ChunkManager owns one Residency and delegates to it (composition: the resident set, the
+block cache and the step's plan are state nothing else writes); the other collaborators reach
+the chunks through it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 from fxstar.errors import FxstarError
 from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
 from fxstar.runtime.chunk_stats import ChunkStats
-from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot, blocks_at_once
 from fxstar.runtime.tier_copy import copy_payload
 from fxstar.runtime.tracer import MemoryTracer
 
@@ -171,6 +178,7 @@ class Residency:
         prefetch: bool,
         copy_stream: torch.cuda.Stream | None,
         owners: ChunkGroups | None = None,
+        load_unit: int = 1,
     ):
         self.layout = layout
         self.device = arena.device
@@ -189,6 +197,10 @@ class Residency:
         # sharded payloads: every load is a broadcast from the chunk's owner (each rank makes
         # the same choices, following one plan under one budget)
         self.owners = owners
+        # chunks one load brings and one eviction drops: 1, or (sharded, ChunkPlan.load_unit)
+        # a whole group in one block of its N chunks
+        self.load_unit = load_unit
+        self.unit_bytes = load_unit * layout.chunk_bytes
         self.inflight: dict[int, object] = {}  # chunk -> its prefetch's broadcast (sharded)
         self.checking = False  # verify the residency invariants after every access (tests)
         self.cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
@@ -232,8 +244,8 @@ class Residency:
         if chunk.fixed:  # fp32: the stable parameters are its payload, never stale
             if chunk.master is not None and self._stale(chunk):
                 self.round_master(chunk)  # someone changed the masters on the compute tier
-        elif chunk.resident and chunk.pins == 0 and self._stale(chunk):
-            self._evict(chunk, count=False)  # the host copy changed (an optimizer step)
+        elif chunk.resident and any(self._stale(c) for c in self.unit(chunk)):
+            self._evict_stale(chunk)  # a host copy changed (an optimizer step)
         if chunk.state is S.HOLD:
             self.stats.prefetch_hits += 1
         self._make_room(t, chunk)
@@ -241,7 +253,8 @@ class Residency:
         if chunk.state is not S.COMPUTE:
             chunk.move(S.COMPUTE)
         chunk.last_access = t
-        pinned = sum(self.layout.chunk_bytes for c in self.chunks if c.pins or c is chunk)
+        pinned = blocks_at_once({c.id for c in self.chunks if c.pins or c is chunk},
+                                self.load_unit) * self.layout.chunk_bytes  # fmt: skip
         self.tracer.record(t, phase, chunk_id, self.resident_bytes(), self.share(t), pinned)
         if self.checking:
             self._check(t)
@@ -261,6 +274,16 @@ class Residency:
 
     # -- the resident set -----------------------------------------------------------------------
 
+    def unit(self, chunk: Chunk) -> list[Chunk]:
+        """The chunks loaded and evicted with `chunk`: itself, or its whole group."""
+        if self.load_unit == 1:
+            return [chunk]
+        first = chunk.id - chunk.id % self.load_unit
+        return self.chunks[first : first + self.load_unit]
+
+    def units(self) -> list[list[Chunk]]:
+        return [self.unit(c) for c in self.chunks[:: self.load_unit]]
+
     def share(self, t: int) -> int:
         """Bytes chunks may hold on the compute tier at access t."""
         if self.static_share is not None:
@@ -277,7 +300,7 @@ class Residency:
     def _make_room(self, t: int, chunk: Chunk) -> None:
         """Evict until the chunks resident with `chunk` fit the share at access t (which may
         have shrunk since the last access: activations grow), then load `chunk` if needed."""
-        need = 0 if chunk.resident else self.layout.chunk_bytes
+        need = 0 if chunk.resident else self.unit_bytes
         while self.resident_bytes() + need > self.share(t):
             self._evict_one(t, chunk, "every other resident chunk is in use")
         if chunk.resident:
@@ -287,12 +310,13 @@ class Residency:
         self.load(chunk, offset)
 
     def take_block(self) -> int | None:
-        """A block for one chunk: a cached one (mem_cache), else a new one from the arena."""
+        """A block for one load (a chunk, or a group): a cached one (mem_cache), else a new
+        one from the arena."""
         if self.cache:
             self.stats.cache_hits += 1
             return self.cache.pop()
         try:
-            return self.arena.alloc(self.layout.chunk_bytes)
+            return self.arena.alloc(self.unit_bytes)
         except ArenaOutOfMemory:
             return None
 
@@ -303,53 +327,79 @@ class Residency:
         self._evict(victim)
 
     def _victim(self, t: int, keep: Chunk) -> Chunk | None:
-        """Belady: the unpinned resident chunk used again farthest in the future."""
+        """Belady: of the resident units none of whose chunks is pinned, the one used again
+        farthest in the future (a group: by its member used soonest)."""
         best, best_key = None, None
-        n = len(self.plan) if self.plan is not None else 0
-        for chunk in self.chunks:
-            if not chunk.resident or chunk.pins or chunk.fixed or chunk is keep:
+        for unit in self.units():
+            if (not unit[0].resident or keep in unit
+                    or any(c.pins or c.fixed for c in unit)):  # fmt: skip
                 continue
-            positions = self.positions.get(chunk.id, [])
-            i = bisect.bisect_right(positions, t)
-            if i < len(positions):
-                nxt = positions[i]
-            elif positions:
-                nxt = n + positions[0]  # the next step's access
-            else:
-                nxt = 2 * n + 1
-            key = (nxt, -chunk.last_access)
+            key = (min(self._next_use(c, t) for c in unit), -max(c.last_access for c in unit))
             if best_key is None or key > best_key:
-                best, best_key = chunk, key
+                best, best_key = unit[0], key
         return best
 
+    def _next_use(self, chunk: Chunk, t: int) -> int:
+        """The plan position of the chunk's next access after t (the next step's first
+        access, counted on from this step's end, when this step has none left)."""
+        n = len(self.plan) if self.plan is not None else 0
+        positions = self.positions.get(chunk.id, [])
+        i = bisect.bisect_right(positions, t)
+        if i < len(positions):
+            return positions[i]
+        return n + positions[0] if positions else 2 * n + 1
+
     def _arrived(self, chunk: Chunk) -> None:
-        """Wait for the chunk's prefetch broadcast, if one is in flight."""
-        work = self.inflight.pop(chunk.id, None)
-        if work is not None:
+        """Wait for the prefetch of the chunk's unit (a broadcast, or its group's gather), if
+        one is in flight."""
+        works = {}
+        for member in self.unit(chunk):
+            work = self.inflight.pop(member.id, None)
+            if work is not None:
+                works[id(work)] = work
+        for work in works.values():
             self.owners.arrived(chunk.id, work)
 
     def _evict(self, chunk: Chunk, count: bool = True) -> None:
-        # the host holds the master copy: dropping a compute copy moves no bytes
+        """Drop the chunk's unit from the compute tier (the host holds the master copy:
+        this moves no bytes)."""
+        unit = self.unit(chunk)
         self._arrived(chunk)  # its block is about to be reused
-        chunk.move(S.RELEASED)
+        block = unit[0].offset
+        for member in unit:
+            member.move(S.RELEASED)
+            member.offset = None
         if len(self.cache) < self.cache_capacity:
-            self.cache.append(chunk.offset)
+            self.cache.append(block)
         else:
-            self.arena.free(chunk.offset)
-        chunk.offset = None
+            self.arena.free(block)
         if count:
-            self.stats.evictions += 1
+            self.stats.evictions += len(unit)
+
+    def _evict_stale(self, chunk: Chunk) -> None:
+        """A resident chunk whose host copy (or a group member's) changed is dropped, to be
+        loaded afresh. A group is loaded as one: a member in use (no step leaves one in use
+        when the optimizer steps) would be overwritten under its readers, so that is an
+        error, not a reload."""
+        busy = [c.id for c in self.unit(chunk) if c.pins or c.fixed]
+        if chunk.pins:  # its readers hold this copy: it stays as they saw it
+            return
+        if busy:
+            raise RuntimeError(
+                f"chunk {chunk.id} changed while chunks {busy} of its group are in use or kept: "
+                "a group is loaded as one, so it cannot be refreshed now; change parameters "
+                "between steps (or set mem_saving_comm=True, which loads chunk by chunk)"
+            )
+        self._evict(chunk, count=False)
 
     def drop_unused(self) -> None:
-        """Evict every chunk not in use and empty the block cache: room to reserve from."""
-        for chunk in self.chunks:
-            if (
-                chunk.resident
-                and not chunk.pins
-                and not chunk.fixed
-                and chunk.state is not S.COMPUTE
+        """Evict every unit none of whose chunks is in use and empty the block cache: room to
+        reserve from."""
+        for unit in self.units():
+            if unit[0].resident and not any(
+                c.pins or c.fixed or c.state is S.COMPUTE for c in unit
             ):
-                self._evict(chunk, count=False)
+                self._evict(unit[0], count=False)
         while self.cache:
             self.arena.free(self.cache.pop())
 
@@ -359,7 +409,7 @@ class Residency:
         if plan is None or t + 1 >= len(plan):
             return
         chunk = self.chunks[plan.chunks[t + 1]]
-        if chunk.resident or self.resident_bytes() + self.layout.chunk_bytes > self.share(t + 1):
+        if chunk.resident or self.resident_bytes() + self.unit_bytes > self.share(t + 1):
             return
         offset = self.take_block()
         if offset is not None:
@@ -368,23 +418,43 @@ class Residency:
     # -- copies between the tiers ---------------------------------------------------------------
 
     def load(self, chunk: Chunk, offset: int, state: ChunkState = S.COMPUTE) -> None:
-        """Copy the chunk's host home into the arena block at `offset`."""
-        versions = self.versions(chunk)  # first: it may refresh the host copy from masters
-        chunk.offset = offset
-        payload = self.view(chunk, 0, (chunk.used,))
-        if not chunk.remote:
-            self.copy(payload, chunk.host[: chunk.used], to_host=False)
-            if chunk.grad_slots:  # their host room holds gradients: parameters from masters
-                chunk.round_into(payload, chunk.slots_holding_grads())
-        if self.owners is not None and chunk.used:
-            work = self.owners.fetch(chunk.id, payload, wait=state is not S.HOLD)
-            if work is not None:  # a prefetch: waited for at its access or eviction
-                self.inflight[chunk.id] = work
-            if chunk.remote:
-                self.step_bytes += payload.nbytes
-        chunk.loaded_versions = versions
-        chunk.move(state)
-        self.stats.loads += 1
+        """Copy the chunk's unit into the arena block at `offset`: each member's host home
+        into its place (a rank's own chunks), then, with sharded payloads, what other ranks
+        own from them. The other members of a group come in as prefetched (HOLD)."""
+        unit = self.unit(chunk)
+        for i, member in enumerate(unit):
+            versions = self.versions(member)  # first: it may refresh the host copy
+            member.offset = offset + i * self.layout.chunk_bytes
+            if not member.remote:
+                payload = self.view(member, 0, (member.used,))
+                self.copy(payload, member.host[: member.used], to_host=False)
+                if member.grad_slots:  # their host room holds gradients: masters' values
+                    member.round_into(payload, member.slots_holding_grads())
+            member.loaded_versions = versions
+        if self.owners is not None:
+            self._from_owners(unit, wait=state is not S.HOLD)
+        for member in unit:
+            member.move(state if member is chunk else S.HOLD)
+            self.stats.loads += 1
+
+    def _from_owners(self, unit: list[Chunk], *, wait: bool) -> None:
+        """Sharded payloads: the unit's chunks from their owners, a broadcast of one chunk or
+        an all-gather of a group. `wait=False` (a prefetch): the collective runs beside
+        compute, waited for at the chunk's access or eviction (_arrived)."""
+        if len(unit) == 1:
+            chunk = unit[0]
+            if not chunk.used:
+                return
+            payload = self.view(chunk, 0, (chunk.used,))
+            work = self.owners.fetch(chunk.id, payload, wait=wait)
+        else:
+            block = self.view(unit[0], 0, (len(unit) * self.layout.chunk_size,))
+            work = self.owners.gather(unit[0].id, block, wait=wait)
+        self.step_bytes += sum((self.layout.chunk_size if len(unit) > 1 else c.used)
+                               * self.layout.dtype.itemsize for c in unit if c.remote)  # fmt: skip
+        if work is not None:
+            for member in unit:
+                self.inflight[member.id] = work
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> None:
         """One copy between the tiers (on the copy stream on CUDA), timed and counted."""
@@ -474,11 +544,13 @@ class Residency:
         resident = self.resident_bytes()
         in_arena = (
             self.arena.stats()["in_use"]
-            - len(self.cache) * self.arena.allocator.round_up(self.layout.chunk_bytes)
+            - len(self.cache) * self.arena.allocator.round_up(self.unit_bytes)
             - self.reserved.bytes()
         )
         if in_arena != sum(
-            self.arena.allocator.block_size(c.offset) for c in self.chunks if c.resident
+            self.arena.allocator.block_size(unit[0].offset)
+            for unit in self.units()
+            if unit[0].resident
         ):
             raise AssertionError(f"access {t}: arena bookkeeping disagrees with resident chunks")
         if resident > self.share(t):

@@ -322,7 +322,7 @@ def run_world(world: int) -> None:
         info = r["fp32"]["info"]
         assert info["model_state_dict_whole"] and info["remote"] > 0
         # the dump names each fetched chunk's owner and what a load of it does
-        assert "dp=owner rank 1: broadcast from it when loaded" in info["dump"]
+        assert "dp=owner rank 1: group 0 all-gathered when loaded" in info["dump"]
         assert info["host_bytes"] <= serial["host_bytes"] / world + chunk
         assert info["remote"] == info["chunks"] - info["chunks"] // world
         # gradients reduced during backward: at most two groups staged, not the model
