@@ -202,6 +202,7 @@ class Residency:
         self.load_unit = load_unit
         self.unit_bytes = load_unit * layout.chunk_bytes
         self.inflight: dict[int, object] = {}  # chunk -> its prefetch's broadcast (sharded)
+        self.prefetched: set[int] = set()  # chunks a prefetch loaded, not yet accessed
         self.checking = False  # verify the residency invariants after every access (tests)
         self.cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
         self.plan: AccessPlan | None = None
@@ -229,6 +230,7 @@ class Residency:
             self.positions.setdefault(c, []).append(i)
         self.cursor = 0
         self.recorded = []
+        self.prefetched.clear()
         self.tracer.begin_step()
 
     def close(self) -> None:
@@ -246,8 +248,9 @@ class Residency:
                 self.round_master(chunk)  # someone changed the masters on the compute tier
         elif chunk.resident and any(self._stale(c) for c in self.unit(chunk)):
             self._evict_stale(chunk)  # a host copy changed (an optimizer step)
-        if chunk.state is S.HOLD:
-            self.stats.prefetch_hits += 1
+        if chunk.id in self.prefetched:  # not a group member that came along with another
+            self.prefetched.discard(chunk.id)
+            self.stats.prefetch_hits += chunk.resident
         self._make_room(t, chunk)
         self._arrived(chunk)
         if chunk.state is not S.COMPUTE:
@@ -404,16 +407,26 @@ class Residency:
             self.arena.free(self.cache.pop())
 
     def _prefetch_after(self, t: int) -> None:
-        """Start copying the next planned chunk if there is room without evicting anything."""
+        """Start loading the next chunk the plan needs that is not resident (with group loads
+        the next group, its gather beside this one's compute), if it fits without evicting
+        anything at any access until it is needed."""
         plan = self.plan
-        if plan is None or t + 1 >= len(plan):
+        if plan is None:
             return
-        chunk = self.chunks[plan.chunks[t + 1]]
-        if chunk.resident or self.resident_bytes() + self.unit_bytes > self.share(t + 1):
+        room = None
+        for u in range(t + 1, len(plan)):
+            room = self.share(u) if room is None else min(room, self.share(u))
+            chunk = self.chunks[plan.chunks[u]]
+            if not chunk.resident:
+                break
+        else:
+            return
+        if self.resident_bytes() + self.unit_bytes > room:
             return
         offset = self.take_block()
         if offset is not None:
             self.load(chunk, offset, S.HOLD)
+            self.prefetched.add(chunk.id)
 
     # -- copies between the tiers ---------------------------------------------------------------
 
