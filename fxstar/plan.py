@@ -617,10 +617,11 @@ class Plan:
     )  # fmt: skip
     prefetch: str = _option(
         "auto", check=_choice("auto", "on", "off"), feature="the chunk manager's prefetch",
-        doc="Start loading the next planned chunk while this one computes, when it fits "
-        "without evicting (a copy on the copy stream; with sharded data-parallel payloads a "
-        "broadcast beside compute); 'auto' = on with an accelerator (on this 2-core CPU the "
-        "background copies and broadcasts took the cores compute needed).",
+        doc="Start loading the next chunk the plan needs while this one computes, when it fits "
+        "without evicting until then (a copy on the copy stream; with sharded data-parallel "
+        "payloads the next group's all-gather, or with mem_saving_comm the chunk's broadcast, "
+        "beside compute); 'auto' = on with an accelerator (on this 2-core CPU the background "
+        "copies and collectives took the cores compute needed).",
     )  # fmt: skip
     grads_in_host: bool = _option(
         True, check=_boolean, feature="the chunk manager's gradient buffers",
@@ -631,7 +632,13 @@ class Plan:
     )  # fmt: skip
     mem_saving_comm: bool = _option(
         False, check=_boolean, feature=_DIST,
-        doc="Gather remote chunks one at a time to save memory at the cost of bandwidth.",
+        doc="Communicate chunk by chunk to save memory (PatrickStar's memory-saving "
+        "communication). Sharded data-parallel payloads: a load is one broadcast of the chunk "
+        "from its owner instead of an all-gather of its whole group (the compute tier needs "
+        "room for chunks, not groups), and gradients are reduced to their owner chunk by "
+        "chunk (staging two chunks, not two groups); replicated payloads: N reduces and N "
+        "broadcasts in place, no communication buffer; tensor-parallel activations: each "
+        "rank's block broadcast into one block-sized buffer.",
     )  # fmt: skip
     release_after_init: bool = _option(
         False, check=_boolean, feature=_CHUNKS,
@@ -640,7 +647,9 @@ class Plan:
         "host never holds the model twice). False (what the engine always did): the model's "
         "parameters become the engine's all the same, and the originals are left intact and "
         "untouched by training. A meta-built model goes straight into its chunk homes either "
-        "way. Not built yet under data parallelism (its rank-aware meaning).",
+        "way. Under data parallelism (PatrickStar's meaning): every rank initialises every "
+        "chunk as a serial run would and keeps its own, so the sharded model starts as the "
+        "serial one bit for bit (fxstar/release.py).",
     )  # fmt: skip
     fake_dist: bool = _option(
         False, check=_boolean, feature=_DIST,

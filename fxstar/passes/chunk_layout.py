@@ -25,7 +25,7 @@ import torch
 
 from fxstar.dump import note
 from fxstar.errors import FxstarError
-from fxstar.mesh import data_parallel_size, mesh_layout
+from fxstar.mesh import data_parallel_size, load_unit, mesh_layout
 from fxstar.passes import Pass, register
 from fxstar.passes.shape_memory import backward_peak, node_steps
 from fxstar.program import ParamInfo, Program
@@ -141,6 +141,7 @@ class BudgetNeed:
     chunks_at_once: int
     activations: int  # bytes besides chunks expected at that access
     static_ratio: float | None  # warmup_gpu_chunk_mem_ratio under static_partition
+    load_unit: int = 1  # chunks a load brings (mesh.load_unit): a whole group with sharded DP
 
     def moment(self) -> str:
         """Which access sets the need, and what it holds there."""
@@ -150,10 +151,12 @@ class BudgetNeed:
             if self.static_ratio is None
             else f"in the static partition (warmup_gpu_chunk_mem_ratio {self.static_ratio:g})"
         )
+        groups = (f" ({count // self.load_unit} whole groups of {self.load_unit}: a load "
+                  "brings its chunk's group)" if self.load_unit > 1 else "")  # fmt: skip
         return (
             f"access {self.access} ({self.phase}, chunk {self.chunk}) needs {count} "
-            f"chunk{'s' if count != 1 else ''} of {format_size(self.chunk_bytes)} at once "
-            f"({format_size(count * self.chunk_bytes)}) {where}"
+            f"chunk{'s' if count != 1 else ''} of {format_size(self.chunk_bytes)} at once"
+            f"{groups} ({format_size(count * self.chunk_bytes)}) {where}"
         )
 
     def describe(self) -> str:
@@ -165,6 +168,8 @@ class BudgetNeed:
     def remedy(self) -> str:
         other = ("raise warmup_gpu_chunk_mem_ratio" if self.static_ratio is not None
                  else "checkpoint activations")  # fmt: skip
+        if self.load_unit > 1:
+            other += ", set mem_saving_comm=True (a load brings one chunk, not its group)"
         return f"Raise device_memory to at least that (device_memory='auto' does), {other}"
 
 
@@ -191,7 +196,7 @@ def budget_need(plan, access: AccessPlan, layout: ChunkLayout) -> BudgetNeed:
     return BudgetNeed(
         budgets[t], layout.chunk_size, size, t, access.phases[t], access.chunks[t],
         access.pinned_at_once[t], access.nonmodel_bytes[t],
-        plan.warmup_gpu_chunk_mem_ratio if plan.static_partition else None,
+        plan.warmup_gpu_chunk_mem_ratio if plan.static_partition else None, load_unit(plan),
     )  # fmt: skip
 
 

@@ -573,9 +573,11 @@ class Residency:
 
     def _budget_error(self, t: int, why: str) -> ChunkBudgetError:
         pinned = [c.id for c in self.chunks if c.pins]
+        groups = (f" (a load brings a whole group of {self.load_unit}: mem_saving_comm=True "
+                  "loads one chunk)" if self.load_unit > 1 else "")  # fmt: skip
         return ChunkBudgetError(
             f"chunk budget exceeded at access {t} ({why}): chunks {pinned} are in use, "
-            f"{self.layout.chunk_bytes:,} bytes each; the share there is {self.share(t):,} "
+            f"{self.layout.chunk_bytes:,} bytes each{groups}; the share there is {self.share(t):,} "
             f"of device_memory {self.budget or self.arena.capacity:,} bytes. Use a smaller "
             "chunk_size, checkpointing, or a larger device_memory."
         )

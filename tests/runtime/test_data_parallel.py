@@ -22,6 +22,7 @@ from conftest import SEQ, VOCAB
 
 import fxstar
 import fxstar.passes.chunk_layout
+import fxstar.passes.chunk_schedule
 from fxstar.dist_launch import spawn
 from fxstar.errors import CollectiveError
 from fxstar.plan import Plan
@@ -604,6 +605,27 @@ def test_fake_dist_gives_each_rank_its_part_of_the_budget():
     with pytest.raises(fxstar.passes.chunk_layout.ChunkLayoutError, match="fake_dist"):
         fxstar.compile(gpt(), Plan(device_memory="1MiB", fake_dist=True),
                        example_inputs=batches(1)[0])  # fmt: skip
+
+
+def _least_budgets(rank: int, world: int) -> tuple[dict[bool, int], str]:
+    """The least device_memory with and without mem_saving_comm, and the error of a
+    group-loading compile given the smaller one."""
+    (ids, targets), *_ = batches(world)
+    example = (ids[:PER_RANK], targets[:PER_RANK])
+    least = {}
+    for saving in (False, True):
+        plan = Plan(chunk_size=4096, device_memory="auto", mem_saving_comm=saving)
+        least[saving] = fxstar.compile(gpt(), plan, example_inputs=example).chunks.budget
+    with pytest.raises(fxstar.passes.chunk_schedule.ChunkScheduleError) as error:
+        fxstar.compile(gpt(), Plan(chunk_size=4096, device_memory=least[True]),
+                       example_inputs=example)  # fmt: skip
+    return least, str(error.value)
+
+
+def test_the_budget_holds_whole_groups_when_a_load_gathers_one():
+    for least, error in spawn(_least_budgets, 2):
+        assert least[True] < least[False]  # one chunk a load needs less room than a group
+        assert "whole groups of 2" in error and "set mem_saving_comm=True" in error, error
 
 
 # -- a meta model, its weights read by their owners ---------------------------------------------
