@@ -42,7 +42,7 @@ from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
 from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
-from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan, blocks_at_once
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan
 
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
 
@@ -270,13 +270,9 @@ def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node]
         for node in graph.nodes:
             if node.target is ops.fetch:
                 open_chunks.add(node.args[1])
-                plan.chunks.append(node.args[1])
-                plan.phases.append(phase)
-                plan.nonmodel_bytes.append(
-                    _next_original(node, estimate) if nonmodel is None else nonmodel
-                )
-                plan.pinned_at_once.append(blocks_at_once(open_chunks, unit))
-                plan.in_use.append(tuple(sorted(open_chunks)))
+                plan.add(node.args[1], phase,
+                         _next_original(node, estimate) if nonmodel is None else nonmodel,
+                         open_chunks, unit)  # fmt: skip
             elif node.target is ops.release and phase == "forward":
                 open_chunks.discard(node.args[1])
             elif node in regions:
@@ -290,11 +286,7 @@ def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node]
         mem = node.meta.get(META_KEY)
         needed = [slots[n].chunk for n in mem.saved_params] if mem is not None else []
         for chunk in needed:  # one access per saved tensor: each is unpacked
-            plan.chunks.append(chunk)
-            plan.phases.append("backward")
-            plan.nonmodel_bytes.append(estimate[node])
-            plan.pinned_at_once.append(blocks_at_once(set(needed), unit))
-            plan.in_use.append(tuple(sorted(set(needed))))
+            plan.add(chunk, "backward", estimate[node], set(needed), unit)
     return plan
 
 
@@ -364,11 +356,8 @@ class AccessForecast:
                 node = self.nodes[i] if nonmodel is None else None
                 if kind == "fetch":
                     open_chunks.add(chunk)
-                    plan.chunks.append(chunk)
-                    plan.phases.append(phase)
-                    plan.nonmodel_bytes.append(nonmodel if node is None else self.estimate[node])
-                    plan.pinned_at_once.append(blocks_at_once(open_chunks, self.load_unit))
-                    plan.in_use.append(tuple(sorted(open_chunks)))
+                    plan.add(chunk, phase, nonmodel if node is None else self.estimate[node],
+                             open_chunks, self.load_unit)  # fmt: skip
                 elif kind == "release" and phase == "forward":
                     open_chunks.discard(chunk)
                 elif node in regions:
@@ -383,11 +372,7 @@ class AccessForecast:
             mem = node.meta.get(META_KEY)
             needed = [slots[n].chunk for n in mem.saved_params] if mem is not None else []
             for chunk in needed:
-                plan.chunks.append(chunk)
-                plan.phases.append("backward")
-                plan.nonmodel_bytes.append(self.estimate[node])
-                plan.pinned_at_once.append(blocks_at_once(set(needed), self.load_unit))
-                plan.in_use.append(tuple(sorted(set(needed))))
+                plan.add(chunk, "backward", self.estimate[node], set(needed), self.load_unit)
         return plan
 
 

@@ -196,6 +196,16 @@ class AccessPlan:
     def __len__(self) -> int:
         return len(self.chunks)
 
+    def add(self, chunk: int, phase: str, nonmodel: int, in_use: Collection[int],
+            load_unit: int = 1) -> None:  # fmt: skip
+        """One more access: its chunk, phase and bytes besides chunks, and the chunks in use
+        then (`load_unit`: chunks a load brings, see blocks_at_once)."""
+        self.chunks.append(chunk)
+        self.phases.append(phase)
+        self.nonmodel_bytes.append(nonmodel)
+        self.pinned_at_once.append(blocks_at_once(in_use, load_unit))
+        self.in_use.append(tuple(sorted(in_use)))
+
     @property
     def forward_len(self) -> int:
         return self.phases.count("forward")

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from fxstar.runtime.reservations import ReservedBlocks
 
 
+PREFETCH_LOOKAHEAD = 64  # accesses a prefetch looks ahead for a chunk that is not resident
+
+
 class ChunkBudgetError(FxstarError, MemoryError):
     """What one moment of the step needs does not fit the compute tier's budget."""
 
@@ -194,14 +197,14 @@ class Residency:
         self.cache_capacity = mem_cache
         self.prefetch = prefetch
         self.copy_stream = copy_stream
-        # sharded payloads: every load is a broadcast from the chunk's owner (each rank makes
-        # the same choices, following one plan under one budget)
+        # sharded payloads: every load is a collective with the chunks' owners (each rank
+        # makes the same choices, following one plan under one budget)
         self.owners = owners
         # chunks one load brings and one eviction drops: 1, or (sharded, ChunkPlan.load_unit)
         # a whole group in one block of its N chunks
         self.load_unit = load_unit
         self.unit_bytes = load_unit * layout.chunk_bytes
-        self.inflight: dict[int, object] = {}  # chunk -> its prefetch's broadcast (sharded)
+        self.inflight: dict[int, object] = {}  # chunk -> its prefetch's collective (sharded)
         self.prefetched: set[int] = set()  # chunks a prefetch loaded, not yet accessed
         self.checking = False  # verify the residency invariants after every access (tests)
         self.cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
@@ -413,15 +416,14 @@ class Residency:
         plan = self.plan
         if plan is None:
             return
-        room = None
-        for u in range(t + 1, len(plan)):
-            room = self.share(u) if room is None else min(room, self.share(u))
+        need = self.resident_bytes() + self.unit_bytes
+        for u in range(t + 1, min(t + 1 + PREFETCH_LOOKAHEAD, len(plan))):
+            if need > self.share(u):
+                return
             chunk = self.chunks[plan.chunks[u]]
             if not chunk.resident:
                 break
         else:
-            return
-        if self.resident_bytes() + self.unit_bytes > room:
             return
         offset = self.take_block()
         if offset is not None:
