@@ -594,6 +594,7 @@ def _worker4(rank: int, world: int) -> dict:
     return {"failures": failures, "keep": keep, "recompute": recompute}
 
 
+@pytest.mark.slow  # world 2 runs by default
 def test_world_size_4_matches_single_process_and_recompute_saves_the_shard_only():
     world = 4
     results = spawn(_worker4, world)

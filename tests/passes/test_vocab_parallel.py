@@ -155,6 +155,7 @@ def test_vocab_parallel_world_2_gpt_gpt2_tied_llama_untied():
         assert infos[name]["embedding sp=True"] == ["reduce_scatter"]
 
 
+@pytest.mark.slow  # world 2 runs by default
 def test_vocab_parallel_world_4_gpt():
     results = _run(4, ["gpt"])
     assert results[0]["infos"]["gpt"]["logits sp=True"] == _single_logits_bytes() // 4
