@@ -146,6 +146,7 @@ def _fxstar(rank: int, world: int, args: argparse.Namespace, shard: str, mem_sav
             ) -> dict:  # fmt: skip
     model = _model(args)
     plan = fxstar.Plan(device_memory=args.device_memory, mem_saving_comm=mem_saving,
+                       prefetch=args.prefetch,
                        data_parallel_shard=shard,
                        optimizer={"type": "adamw", "lr": 1e-3})  # fmt: skip
     per_rank = args.batch_size // world
@@ -225,6 +226,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="global: split over ranks")
     parser.add_argument("--device-memory", default="auto")
+    parser.add_argument("--prefetch", default="auto", choices=("auto", "on", "off"),
+                        help="plan.prefetch of the fxstar runs")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="write the rows here")
