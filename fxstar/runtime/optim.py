@@ -399,12 +399,17 @@ class HybridAdam(torch.optim.Optimizer):
         self._placed = True
         if chosen:  # every rank from the same resident set: their loads below pair up
             manager.residency.drop_unused()
+        gathered = manager.residency.load_unit > 1
         for group in chosen:
-            for chunk in group:
+            # A group comes by one all-gather: each rank reserves its own chunk's room first
+            # and then gathers, so every rank's arena takes the same blocks in the same order
+            # (one that is fragmented raises on every rank alike). Chunk by chunk, each load
+            # is a collective of its own: in chunk order on every rank.
+            for chunk in sorted(group, key=lambda c: c.remote) if gathered else group:
                 if chunk.remote:
                     manager.fix(chunk.id)  # its payload, fetched from the owner, stays
-                else:  # a fragmented arena raises here (the others then time out, named)
-                    self._keep_one(chunk.id)
+                else:  # a fragmented arena raises here (chunk by chunk, the others then
+                    self._keep_one(chunk.id)  # time out, named)
 
     def _keep(self, chunk_ids: list[int]) -> None:
         """Keep these chunks on the compute tier with their moments beside them."""

@@ -248,6 +248,10 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         "model_state_dict_whole": whole,
         "dump": fxstar.dump(engine) if name == "fp32" else "",
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
+        "arena": (
+            list(engine.chunks.reserved),
+            [c.offset for c in engine.chunks.chunks if c.fixed],
+        ),  # fmt: skip
         "host_embeddings": list(getattr(engine.program.decisions.cpu_embedding, "host", [])),
         "moments": sum(
             s["exp_avg"].numel() for s in engine.optimizer.state.values() if "exp_avg" in s
@@ -335,6 +339,9 @@ def run_world(world: int) -> None:
     assert results[0]["fp32"]["info"]["peak_buffer"] > 0
     assert f"rank 0 of {world}" in results[0]["fp32"]["info"]["report"]
     assert all(r["hybrid keeps chunks"]["info"]["kept"] > 0 for r in results)
+    # each rank reserved its own chunk's room, then the group was gathered: one arena layout
+    assert all(r["hybrid keeps chunks"]["info"]["arena"]
+               == results[0]["hybrid keeps chunks"]["info"]["arena"] for r in results)  # fmt: skip
     # sharded: whole groups, kept by every rank alike
     assert (
         "chunks kept on the compute tier by every rank"
