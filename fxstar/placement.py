@@ -85,8 +85,9 @@ def forecast_kept(plan: Any, chunk_plan: ChunkPlan) -> list[int]:
     moments = [(pinned * layout.chunk_bytes, other) for pinned, other in pairs]
     spare = spare_bytes(chunk_plan.budget, chunk_plan.arena_capacity, moments,
                         plan.margin_use_ratio)  # fmt: skip
-    share_room = (layout.dtype != torch.float32 and plan.grads_in_host
-                  and plan.optimizer.accumulation_steps == 1)  # fmt: skip
+    share_room = layout.kept_grad_in_payload(
+        grads_in_host=plan.grads_in_host, accumulation_steps=plan.optimizer.accumulation_steps
+    )
     count = spare // layout.kept_chunk_bytes(share_room=share_room)
     trainable = sorted((c for c in layout.chunks if c.trainable), key=lambda c: (c.used, c.id))
     return [c.id for c in trainable[:count]]

@@ -131,6 +131,14 @@ class ChunkLayout:
             total += sum(2 * c.used * 4 for c in own if c.trainable)
         return total
 
+    def kept_grad_in_payload(self, *, grads_in_host: bool, accumulation_steps: int) -> bool:
+        """Whether a chunk kept on the compute tier for good has its gradient in its payload's
+        room (Reservations.fix's share_room), as bf16/fp16 host chunks do with grads_in_host:
+        not when forwards run between backward and step (accumulation: each would read the
+        rounded masters as copies of their own), nor under data parallelism."""
+        return (self.dtype != torch.float32 and grads_in_host and self.ranks == 1
+                and accumulation_steps == 1)  # fmt: skip
+
     def kept_chunk_bytes(self, *, share_room: bool) -> int:
         """Compute-tier bytes a chunk kept there for good takes with its optimizer state: its
         payload, its gradient (in the payload's room when `share_room`), two fp32 moments

@@ -77,11 +77,10 @@ class HybridAdam(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.hybrid = hybrid
         self.margin_use_ratio = margin_use_ratio
-        # a kept chunk's gradient in its compute payload's room (Reservations.fix): not when
-        # forwards between backward and step are the plan (accumulation: each would read the
-        # rounded masters as copies of their own), nor under data parallelism
-        self.share_room = (manager.grads_in_host and manager.data_parallel is None
-                           and accumulation_steps == 1)  # fmt: skip
+        # a kept chunk's gradient in its compute payload's room (Reservations.fix)
+        self.share_room = manager.layout.kept_grad_in_payload(
+            grads_in_host=manager.grads_in_host, accumulation_steps=accumulation_steps
+        )
         # the host budget checked again once the device half is chosen, before the moments
         # are made (compile forecast the chunks kept): called with the chunks kept
         self.host_check = host_check

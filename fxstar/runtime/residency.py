@@ -249,7 +249,8 @@ class Residency:
         if chunk.fixed:  # fp32: the stable parameters are its payload, never stale
             if chunk.master is not None and self._stale(chunk):
                 self.round_master(chunk)  # someone changed the masters on the compute tier
-        elif chunk.resident and any(self._stale(c) for c in self.unit(chunk)):
+        elif (chunk.resident and not chunk.pins  # pinned: its readers keep the copy they saw
+              and any(self._stale(c) for c in self.unit(chunk))):  # fmt: skip
             self._evict_stale(chunk)  # a host copy changed (an optimizer step)
         if chunk.id in self.prefetched:  # not a group member that came along with another
             self.prefetched.discard(chunk.id)
@@ -388,8 +389,6 @@ class Residency:
         when the optimizer steps) would be overwritten under its readers, so that is an
         error, not a reload."""
         busy = [c.id for c in self.unit(chunk) if c.pins or c.fixed]
-        if chunk.pins:  # its readers hold this copy: it stays as they saw it
-            return
         if busy:
             raise RuntimeError(
                 f"chunk {chunk.id} changed while chunks {busy} of its group are in use or kept: "
@@ -462,11 +461,12 @@ class Residency:
                 return
             payload = self.view(chunk, 0, (chunk.used,))
             work = self.owners.fetch(chunk.id, payload, wait=wait)
+            fetched = payload.nbytes if chunk.remote else 0
         else:
             block = self.view(unit[0], 0, (len(unit) * self.layout.chunk_size,))
             work = self.owners.gather(unit[0].id, block, wait=wait)
-        self.step_bytes += sum((self.layout.chunk_size if len(unit) > 1 else c.used)
-                               * self.layout.dtype.itemsize for c in unit if c.remote)  # fmt: skip
+            fetched = sum(c.remote for c in unit) * self.layout.chunk_bytes
+        self.step_bytes += fetched
         if work is not None:
             for member in unit:
                 self.inflight[member.id] = work
