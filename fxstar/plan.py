@@ -52,13 +52,16 @@ def _type_error(name: str, expected: str, value: object) -> PlanError:
 
 
 def _bound_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    def show(bound: float) -> str:  # an int bound exactly (2**64 - 1 is no 1.84467e+19)
+        return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
     if lo is None and hi is None:
         return "a finite number"
     if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"in {'(' if lo_open else '['}{show(lo)}, {show(hi)}{')' if hi_open else ']'}"
     if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
-    return f"{'<' if hi_open else '<='} {hi:g}"
+        return f"{'>' if lo_open else '>='} {show(lo)}"
+    return f"{'<' if hi_open else '<='} {show(hi)}"
 
 
 def _in_bounds(v: float, lo, hi, lo_open: bool, hi_open: bool) -> bool:
@@ -344,6 +347,7 @@ MAX_EPS = 1.0
 MAX_WEIGHT_DECAY = 10.0
 MAX_LOSS_SCALE = 2.0**64  # as 2**initial_scale_power at its largest
 MAX_DIST_TIMEOUT = 86400.0  # a day: a collective waiting longer has hung
+MAX_SEED = 2**64 - 1  # the largest seed torch.manual_seed takes
 
 
 @_named_options
@@ -696,7 +700,7 @@ class Plan:
         "it. Not written to JSON.",
     )  # fmt: skip
     seed: int | None = _option(
-        None, check=_integer(0, optional=True), feature="the engine",
+        None, check=_integer(0, MAX_SEED, optional=True), feature="the engine",
         doc="Seed for torch's RNGs before capture and training; None = leave them alone.",
     )  # fmt: skip
     notes: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
@@ -726,18 +730,27 @@ class Plan:
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike) -> Plan:
-        """Build from JSON text, or from the JSON file at a path (a missing file is the
-        FileNotFoundError that open raises; text that is not JSON is a PlanError)."""
+        """Build from JSON text (a str starting with '{' or '['), or from the JSON file at a
+        path (a missing file is the FileNotFoundError that open raises; text that is not JSON,
+        or JSON that is not an object of options, is a PlanError naming its source)."""
         text = str(text_or_path) if not isinstance(text_or_path, os.PathLike) else None
         source = "plan JSON"
-        if text is None or not text.lstrip().startswith("{"):
+        if text is None or not text.lstrip().startswith(("{", "[")):
             source = os.fspath(text_or_path)
-            with open(text_or_path, encoding="utf-8") as file:
-                text = file.read()
+            with open(text_or_path, "rb") as file:
+                raw = file.read()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise PlanError(f"{source}: not UTF-8 text ({error})") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise PlanError(f"{source}: not valid JSON ({error})") from None
+        except RecursionError:  # json's own decoder recurses once per nesting level
+            raise PlanError(f"{source}: nested too deeply to be a plan") from None
+        if not isinstance(data, Mapping):
+            raise _type_error(source, "a JSON object of plan options", data)
         return cls.from_dict(data)
 
     @classmethod

@@ -153,7 +153,8 @@ def test_sizes_and_share_resolution():
         ({"loss_scale": {"min_loss_scale": 0}}, r"loss_scale.min_loss_scale: must be in \(0, "),
         ({"tiled_linear": {"in_splits": 0}}, "tiled_linear.in_splits: must be >= 1"),
         ({"tensor_parallel": {"rules": {"h.*": "diagonal"}}}, r"tensor_parallel.rules\['h.\*'\]"),
-        ({"seed": -1}, "seed: must be >= 0"),
+        ({"seed": -1}, "seed: must be in"),
+        ({"seed": 2**70}, r"seed: must be in \[0, 18446744073709551615\]"),  # torch's largest
     ],
 )
 def test_range_errors_name_the_field_and_range(options, message):
@@ -488,6 +489,29 @@ def test_from_json_refuses_text_that_is_not_json(tmp_path):
         Plan.from_json(path)
     with pytest.raises(FileNotFoundError):
         Plan.from_json(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1, 2]", r"plan JSON: must be a JSON object of plan options, got \[1, 2\] \(list\)"),
+        (b'"adamw"', "plan.json: must be a JSON object of plan options, got 'adamw'"),
+        ("[" * 100_000 + "]" * 100_000, "plan JSON: nested too deeply"),
+        ('{"optimizer": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+        (b"{\"precision\": \"\xff\"}", "plan.json: not UTF-8 text"),
+    ],
+)
+def test_from_json_refuses_json_that_is_no_plan_by_name(text, message, tmp_path):
+    """Text or a file alike: never a raw FileNotFoundError, RecursionError or TypeError."""
+    path = tmp_path / "plan.json"
+    if isinstance(text, bytes):  # a file only (text not starting with { or [ is a path)
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+        with pytest.raises(PlanError, match=message.replace("plan.json", "plan JSON")):
+            Plan.from_json(text)
+    with pytest.raises(PlanError, match=message.replace("plan JSON", r"plan\.json")):
+        Plan.from_json(path)
 
 
 def test_patrickstar_module():
