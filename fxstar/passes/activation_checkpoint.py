@@ -19,7 +19,10 @@ Follows the decision of `checkpoint_regions`. The form, which later passes desce
   `wrap_with_autocast`) are not taken for regions; with one output the call's value is that
   output, with several a tuple read through `getitem`s;
 - `run_region` calls `torch.utils.checkpoint.checkpoint(region, *inputs,
-  use_reentrant=False)`, which saves only the inputs and replays the RNG state (dropout).
+  use_reentrant=False)`, which saves only the inputs and replays the RNG state (dropout);
+- the inputs the region's recomputation takes from copies (`Region.copied`: what is written in
+  place from its forward on, BatchNorm's running statistics) are named, as the submodule's
+  placeholders, in `meta[COPIED_INPUTS_KEY]`; the call's notes name what it writes.
 Runs before the chunk passes (`chunk_layout`, `chunk_schedule`) so their fetch/release nodes
 land inside regions and are recomputed with them.
 """
@@ -32,9 +35,9 @@ from torch import fx, nn
 
 from fxstar.dump import NOTES_KEY, note
 from fxstar.passes import Pass, register
-from fxstar.passes.checkpoint_regions import Region
+from fxstar.passes.checkpoint_regions import Region, model_names
 from fxstar.program import Program
-from fxstar.runtime.recompute import run_region
+from fxstar.runtime.recompute import COPIED_INPUTS_KEY, run_region
 from fxstar.sizes import format_size
 
 __all__ = [
@@ -117,6 +120,9 @@ def fuse_region(program: Program, region: Region, name: str) -> fx.Node:
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     submodule = fx.GraphModule(gm, body, class_name=name)
     submodule.meta[REGION_KEY] = region.module
+    copied = [env[a].name for a in inputs if a.name in region.copied]
+    if copied:
+        submodule.meta[COPIED_INPUTS_KEY] = tuple(copied)
     gm.add_submodule(name, submodule)
 
     with graph.inserting_after(nodes[-1]):
@@ -130,6 +136,8 @@ def fuse_region(program: Program, region: Region, name: str) -> fx.Node:
     call.meta[NOTES_KEY] = {"region": region.module, "nodes": len(nodes)}
     if region.saved_bytes:
         note(call, "saved", saved)
+    if region.writes:
+        note(call, "writes", model_names(program, region.writes))
     if len(outputs) == 1:
         call.meta["val"] = outputs[0].meta.get("val")
         results = [call]

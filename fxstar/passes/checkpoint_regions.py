@@ -15,6 +15,14 @@ A higher-order op (export's form of a `torch.no_grad()` or `torch.autocast` bloc
 forward: a `wrap_with_set_grad_enabled` call on a submodule, read through `getitem`s) is
 never a region of its own (a frozen teacher is no block), and a region never splits one: it
 takes the op whole, with the region its results land in, or not at all.
+A region that writes a tensor in place (BatchNorm's running statistics, a counter a module
+bumps in forward) would write it again when backward recomputes it: each region records the
+inputs it writes (`writes`) and the inputs whose values change after its forward starts, by it
+or by a later node (`copied`); its recomputation runs on copies of those taken at its forward,
+so the buffers keep the forward's one update, as in eager PyTorch (fxstar.runtime.recompute).
+Writes are read from the op schemas (`Tensor(a!)`, through views to the tensor that owns the
+memory, into the submodules of higher-order ops), plus the running statistics of torch's norm
+kernels, whose schemas do not declare that write.
 The decision is data (`program.decisions.checkpoint_regions`, a CheckpointDecision) and shows
 in the dump as notes on each region's first node; a pass running after this one may edit it.
 """
@@ -38,7 +46,19 @@ from fxstar.plan import PlanError
 from fxstar.program import Program
 from fxstar.sizes import format_size
 
-__all__ = ["CheckpointDecision", "CheckpointRegions", "Region", "find_regions"]
+__all__ = [
+    "CheckpointDecision",
+    "CheckpointRegions",
+    "Region",
+    "find_regions",
+    "in_place_writes",
+    "model_names",
+]
+
+NORM_STATISTICS = ("running_mean", "running_var")
+"""Arguments torch's norm kernels (native_batch_norm, instance_norm, ...) update in place while
+their mode argument (NORM_MODES) is true, though their schemas do not mark them `(a!)`."""
+NORM_MODES = ("training", "use_input_stats")
 
 
 @dataclass
@@ -49,6 +69,10 @@ class Region:
     nodes: list[str]
     saved_bytes: int = 0  # saved for backward by its nodes without checkpointing
     keep_bytes: int = 0  # its activation inputs: what checkpointing still saves
+    writes: list[str] = field(default_factory=list)  # inputs it updates in place
+    # inputs its recomputation takes from copies made at its forward: the ones written in place
+    # from its start on (by it, or by a node after it), whose values backward no longer sees
+    copied: list[str] = field(default_factory=list)
 
     @property
     def savings(self) -> int:
@@ -79,6 +103,9 @@ class CheckpointDecision:
             )
         if self.budget is not None:
             text += f" for a budget of {format_size(self.budget)}"
+        written = sum(len(r.writes) for r in self.chosen)
+        if written:
+            text += f", {written} tensors written in place (recomputed on copies)"
         return text + "".join(f"; {note}" for note in self.notes)
 
 
@@ -188,7 +215,120 @@ def find_regions(
             )
         regions.append(Region(module, [n.name for n in nodes[first : last + 1]]))
         end = last
+    _mark_writes(graph, regions)
     return regions
+
+
+def _bound(node: fx.Node, schema: Any) -> list[tuple[Any, Any]]:
+    """(schema argument, the node's value for it) for every argument the node gives."""
+    pairs = list(zip(schema.arguments, node.args, strict=False))
+    pairs += [(a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs]
+    return pairs
+
+
+def _nodes_in(value: Any) -> list[fx.Node]:
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [n for v in value for n in _nodes_in(v)]
+    return []
+
+
+def _norm_statistics(bound: list[tuple[Any, Any]]) -> list[fx.Node]:
+    """The running statistics a norm kernel updates: its mode argument is not False."""
+    values = {arg.name: value for arg, value in bound}
+    if not any(name in values and values[name] is not False for name in NORM_MODES):
+        return []
+    return [n for name in NORM_STATISTICS for n in _nodes_in(values.get(name))]
+
+
+def _op_writes(node: fx.Node, owner: dict[fx.Node, fx.Node]) -> set[fx.Node]:
+    """What an op node writes in place; records in `owner` the tensor its output is a view
+    of (an argument with an alias annotation: `view(Tensor(a) self)`, `add_(Tensor(a!) self)`)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return set()
+    bound = _bound(node, schema)
+    written = set(_norm_statistics(bound))
+    for arg, value in bound:
+        if arg.alias_info is None:
+            continue
+        if arg.alias_info.is_write:
+            written.update(_nodes_in(value))
+        if node not in owner and isinstance(value, fx.Node):
+            owner[node] = owner.get(value, value)
+    return written
+
+
+def _higher_order_writes(node: fx.Node) -> set[fx.Node]:
+    """The operands a higher-order op's submodules (a `torch.no_grad()` block) write: the
+    placeholders they write, mapped to the operands after the last submodule."""
+    gm = node.graph.owning_module
+    positions = [
+        i for i, a in enumerate(node.args)
+        if isinstance(a, fx.Node) and a.op == "get_attr"
+        and isinstance(getattr(gm, str(a.target), None), fx.GraphModule)
+    ]  # fmt: skip
+    if not positions:
+        return set()
+    operands = _nodes_in(node.args[max(positions) + 1 :])
+    written: set[fx.Node] = set()
+    for i in positions:
+        submodule = getattr(gm, str(node.args[i].target))
+        placeholders = list(submodule.graph.find_nodes(op="placeholder"))
+        roots = set().union(*in_place_writes(submodule.graph)[0].values())
+        for k, placeholder in enumerate(placeholders):
+            if placeholder not in roots:
+                continue
+            if len(placeholders) == len(operands):
+                written.add(operands[k])
+            else:  # operands not one per placeholder: any of them may be the one written
+                written.update(operands)
+    return written
+
+
+def in_place_writes(
+    graph: fx.Graph,
+) -> tuple[dict[fx.Node, set[fx.Node]], dict[fx.Node, fx.Node]]:
+    """(node -> the tensors it writes in place, view -> the tensor it is a view of).
+
+    A tensor is named by the node that owns its memory (a placeholder, or the node that made
+    it), so a write through a view (`buf[0].add_(1)`) is a write to its base."""
+    owner: dict[fx.Node, fx.Node] = {}
+    writes: dict[fx.Node, set[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:  # a result of a view op that returns several
+            source = node.args[0]
+            if isinstance(source, fx.Node) and source in owner:
+                owner[node] = owner[source]
+            continue
+        if isinstance(node.target, HigherOrderOperator):
+            written = _higher_order_writes(node)
+        else:
+            written = _op_writes(node, owner)
+        if written:
+            writes[node] = {owner.get(n, n) for n in written}
+    return writes, owner
+
+
+def _mark_writes(graph: fx.Graph, regions: list[Region]) -> None:
+    """Fill each region's `writes` and `copied` (see the module docstring)."""
+    writes, owner = in_place_writes(graph)
+    if not writes:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_name = {n.name: n for n in graph.nodes}
+    for region in regions:
+        members = [by_name[n] for n in region.nodes]
+        inside = set(members)
+        start = order[members[0]]
+        written = set().union(*(writes.get(n, ()) for n in members))
+        later = set().union(*(w for n, w in writes.items() if order[n] >= start))
+        inputs = dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in inside)
+        region.writes = [a.name for a in inputs if owner.get(a, a) in written]
+        region.copied = [a.name for a in inputs if owner.get(a, a) in later]
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -211,10 +351,11 @@ def _measure(program: Program, regions: list[Region]) -> None:
             n.meta[MEMORY_KEY].saved_bytes for n in members if MEMORY_KEY in n.meta
         )
         inputs = {a for n in members for a in n.all_input_nodes if a not in members}
-        region.keep_bytes = sum(
+        region.keep_bytes = sum(  # parameters and buffers stay; copies of written ones do not
             _nbytes(a)
             for a in inputs
-            if not (a.op == "placeholder" and fed.get(a.name) and fed[a.name].kind != "input")
+            if a.name in region.copied
+            or not (a.op == "placeholder" and fed.get(a.name) and fed[a.name].kind != "input")
         )
 
 
@@ -348,3 +489,11 @@ def _annotate(program: Program, decision: CheckpointDecision) -> None:
         if i == 0:
             text += f" [{decision.summary()}]"
         notes["region"] = text
+        if region.writes:
+            notes["writes"] = model_names(program, region.writes)
+
+
+def model_names(program: Program, nodes: list[str]) -> str:
+    """The nodes by the model's names where a parameter or buffer feeds them."""
+    fed = program.placeholder_kinds()
+    return ", ".join(fed[n].target if n in fed else n for n in nodes)

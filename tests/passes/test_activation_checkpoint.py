@@ -390,3 +390,76 @@ def test_auto_warns_when_its_budget_cannot_be_met():
     with pytest.warns(UserWarning, match=r"activation_memory 1KiB cannot be met"):
         compile(tiny_gpt(), Plan(checkpoint="auto", activation_memory="1KiB"),
                 example_inputs=tokens())  # fmt: skip
+
+
+class Counting(nn.Module):
+    """Writes buffers in place as models do: BatchNorm (its kernel updates the running
+    statistics without saying so in its schema), a counter, a write through a view, and a
+    frozen BatchNorm run under torch.no_grad() (a higher-order op)."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.bn, self.frozen = nn.BatchNorm1d(width), nn.BatchNorm1d(width, affine=False)
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("seen", torch.zeros(2))
+
+    def forward(self, x, decay):
+        self.count += 1
+        self.seen[1:].add_(1)
+        with torch.no_grad():
+            x = x + self.frozen(x)
+        return self.bn(self.fc(x)) * decay
+
+
+class CountingStack(nn.Module):
+    """Two Counting blocks reading `decay`, which the model updates after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList(Counting() for _ in range(2))
+        self.register_buffer("decay", torch.ones(()))
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x, self.decay)
+        self.decay.mul_(0.9)
+        return x.square().mean()
+
+
+def counting_stack(train: bool = True) -> CountingStack:
+    torch.manual_seed(0)
+    return CountingStack().train(train)
+
+
+COUNTING_X = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+COUNTING_WRITES = {"h.0." + n for n in ("count", "seen", "frozen.running_mean",
+                                        "frozen.running_var", "frozen.num_batches_tracked",
+                                        "bn.running_mean", "bn.running_var",
+                                        "bn.num_batches_tracked")}  # fmt: skip
+
+
+def test_regions_record_the_buffers_they_write_in_place():
+    program = capture(counting_stack(), (COUNTING_X,))
+    fed = program.placeholder_kinds()
+    regions = find_regions(program.graph_module.graph)
+    assert [r.module for r in regions] == ["h.0", "h.1"]
+    assert {fed[n].target for n in regions[0].writes} == COUNTING_WRITES
+    # `decay` is only read in the region, but written after it: recomputed from a copy too
+    assert {fed[n].target for n in regions[0].copied} == COUNTING_WRITES | {"decay"}
+    assert all(r.writes for r in regions)
+
+
+def test_regions_in_eval_mode_write_no_running_statistics():
+    program = capture(counting_stack(train=False), (COUNTING_X,))
+    fed = program.placeholder_kinds()
+    regions = find_regions(program.graph_module.graph)
+    assert {fed[n].target for n in regions[0].writes} == {"h.0.count", "h.0.seen"}
+
+
+def test_the_dump_names_the_buffers_a_region_writes():
+    engine = compile(counting_stack(), Plan(checkpoint="blocks"), (COUNTING_X,))
+    call = dump(engine).split("h_1 = recompute.run_region(")[1].splitlines()[0]
+    assert "writes=h.1.count, h.1.seen, h.1.frozen.num_batches_tracked" in call
+    summary = engine.program.decisions.checkpoint_regions.summary()
+    assert summary.endswith("16 tensors written in place (recomputed on copies)")
