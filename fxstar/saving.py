@@ -85,11 +85,12 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from fxstar.checkpoint_values import check_fits, check_meta, check_records, check_state, named
 from fxstar.errors import CheckpointError
 from fxstar.mesh import DP_GROUP, MESH_GROUP
 from fxstar.passes.tensor_parallel import GROUP_KEY
 from fxstar.runtime import dist as tp
-from fxstar.weights import WeightSource, write_safetensors
+from fxstar.weights import WeightSource, parse_aliases, write_safetensors
 
 if TYPE_CHECKING:
     from fxstar.engine import Engine
@@ -105,10 +106,14 @@ __all__ = [
 ]
 
 FORMAT = "fxstar-checkpoint"
-VERSION = 2  # 2 added "files" (checksums); 1 loads with a warning
+# 3: manifest.json checksums every file, training.json included, and itself; 2: training.json
+# checksums the safetensors files; 1: nothing. 1 and 2 load with a warning.
+VERSION = 3
 PARAMETERS = "model.safetensors"
 TENSORS = "training.safetensors"
 STATE = "training.json"
+MANIFEST = "manifest.json"
+MARKER = "fxstar-scratch.json"  # in a save's scratch directory: what makes it fxstar's
 ALIASES_KEY = "fxstar.aliases"
 RESERVED = ("step", "rng", "optimizer", "optimizer_params")
 FIX = "restore it from a copy, or save the checkpoint again"
@@ -137,7 +142,18 @@ def training_state(engine: Engine) -> dict[str, Any]:
 def restore_training_state(
     engine: Engine, state: Mapping[str, Any], *, strict: bool = True, rng: bool = True
 ) -> None:
-    """Put a `training_state()` back: optimizer, saved-along objects, step, then RNG last."""
+    """Put a `training_state()` back: optimizer, saved-along objects, step, then RNG last;
+    everything that can refuse it is checked before anything changes."""
+    _restore(engine, state, _fitted(engine, state, strict=strict, rng=rng), rng=rng)
+
+
+def _fitted(engine: Engine, state: Mapping[str, Any], *, strict: bool, rng: bool,
+            file: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """The optimizer state to load, once `state` is known to fit the engine (its objects,
+    parameter names and counts, the moments' shapes, the RNG streams): a refusal leaves the
+    engine as it was."""
+    if rng:
+        _check_rank_stream(engine, state["rng"])
     objects = engine.stateful()
     if strict:
         problems = [f"the checkpoint has {n!r} state but the engine has nothing to load it into"
@@ -152,8 +168,23 @@ def restore_training_state(
     optimizer_state = state["optimizer"]
     if state.get("optimizer_params") is not None:
         optimizer_state = _remap_optimizer(engine, optimizer_state, state["optimizer_params"])
+    groups = getattr(engine.optimizer, "param_groups", None)
+    if groups is not None:
+        saved = [len(g["params"]) for g in optimizer_state.get("param_groups", [])]
+        if saved != [len(g["params"]) for g in groups]:
+            raise CheckpointError(
+                f"optimizer state does not match: the checkpoint's param groups hold {saved} "
+                f"parameters, the optimizer's {[len(g['params']) for g in groups]}"
+            )
+        params = [p for g in groups for p in g["params"]]
+        check_fits(optimizer_state, params, objects, state, file or Path(STATE))
+    return optimizer_state
+
+
+def _restore(engine: Engine, state: Mapping[str, Any], optimizer_state: dict[str, Any], *,
+             rng: bool) -> None:  # fmt: skip
     engine.optimizer.load_state_dict(optimizer_state)
-    for name, obj in objects.items():
+    for name, obj in engine.stateful().items():
         if name in state:
             obj.load_state_dict(state[name])
     engine.step_count = int(state["step"]["micro_steps"])
@@ -219,9 +250,13 @@ def _rank_stream_state(engine: Engine) -> dict[str, Any]:
 
 def _set_rank_stream_state(engine: Engine, rng: Mapping[str, Any]) -> None:
     stream = _rank_stream(engine)
-    if stream is not None and "tensor_parallel" in rng:
+    if stream is not None:
+        _check_rank_stream(engine, rng)
         stream.load_state_dict(rng["tensor_parallel"])
-    elif stream is not None:
+
+
+def _check_rank_stream(engine: Engine, rng: Mapping[str, Any]) -> None:
+    if _rank_stream(engine) is not None and "tensor_parallel" not in rng:
         raise CheckpointError(
             "the checkpoint has no tensor-parallel RNG stream (saved by an older fxstar or "
             "without tensor parallelism): dropout on split tensors cannot resume bit for bit; "
@@ -334,9 +369,9 @@ def _save(engine: Engine, path: str | os.PathLike, params: dict[str, torch.Tenso
             files.append((_rank_file(rank), rank_tensors, {"format": "pt"}))
 
     def write(tmp: Path) -> None:
-        for name, content, metadata in files:  # tensor by tensor: never a copy of all
-            meta["files"][name] = _write_file(tmp, name, content, metadata)
-        (tmp / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        records = {name: _write_file(tmp, name, content, metadata)  # tensor by tensor
+                   for name, content, metadata in files}  # fmt: skip
+        _seal(tmp, meta, records)
 
     return write_atomically(path, write)
 
@@ -355,10 +390,32 @@ def _meta_of(engine: Engine, ranks: int, aliases: dict[str, str], skeleton: Any,
         "data_parallel": engine.data_parallel_size,
         "parameters": {"file": parameter_files[0], "files": parameter_files, "aliases": aliases},
         "tensors": TENSORS,
-        "files": {},
         "state": skeleton,
         "plan": _jsonable(plan),
     }
+
+
+def _seal(directory: Path, meta: Mapping[str, Any], records: Mapping[str, Any]) -> None:
+    """Write training.json, then manifest.json: the record (size, CRC-32) of every file,
+    training.json's too, and a CRC-32 of its own canonical encoding. Written last, so a
+    checkpoint with a manifest is whole."""
+    (directory / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    files = {**records, STATE: _record(directory / STATE)}
+    body = {"format": FORMAT, "version": VERSION, "files": files}
+    text = json.dumps({**body, "crc32": _json_crc(body)}, indent=1) + "\n"
+    (directory / MANIFEST).write_text(text, encoding="utf-8")
+
+
+def _record(file: Path) -> dict[str, Any]:
+    """What the manifest keeps of a file: its size and CRC-32."""
+    return {"bytes": file.stat().st_size, "crc32": _file_crc(file)}
+
+
+def _json_crc(data: Any) -> str:
+    """CRC-32 of `data`'s canonical JSON (sorted keys, no spaces, ASCII): the manifest's
+    checksum of itself, independent of how the file is indented."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{zlib.crc32(text.encode()):08x}"
 
 
 def _write_file(directory: Path, name: str, content: Mapping[str, torch.Tensor],
@@ -366,11 +423,7 @@ def _write_file(directory: Path, name: str, content: Mapping[str, torch.Tensor],
     """Write one safetensors file of a checkpoint (tensor by tensor); its record for
     training.json (size and checksums)."""
     crcs = write_safetensors(directory / name, content, metadata)
-    return {
-        "bytes": (directory / name).stat().st_size,
-        "crc32": _file_crc(directory / name),
-        "tensors": {k: f"{crc:08x}" for k, crc in crcs.items()},
-    }
+    return {**_record(directory / name), "tensors": {k: f"{crc:08x}" for k, crc in crcs.items()}}
 
 
 def _parameter_file(rank: int) -> str:
@@ -388,13 +441,15 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
     pg = tp.process_group(group)
     rank = dist.get_rank(pg)
     sharded = engine.chunks is not None and engine.chunks.sharded
-    target = Path(path).absolute()
     box: list[Any] = [None]
-    if rank == 0:
+    if rank == 0:  # the same checks as a one-process save, before any rank writes
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _remove_killed_saves(target)
-            box[0] = str(_scratch(target, "tmp"))
+            target = _prepare(path)
+            scratch = _scratch(target, "tmp")
+            (scratch / target.name).mkdir()
+            box[0] = str(scratch / target.name)
+        except CheckpointError as refused:
+            box[0] = refused
         except Exception as caught:
             box[0] = CheckpointError(f"rank 0 could not make the checkpoint's directory: {caught}")
     with tp.guard("broadcast_object_list (checkpoint save)", group):
@@ -433,16 +488,14 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
             str(r): {"tensors": _rank_file(r), "state": skeleton}
             for r, (skeleton, _, _) in enumerate(gathered) if r > 0
         }  # fmt: skip
-        for _, records, _ in gathered:
-            meta["files"].update(records)
-        (tmp / STATE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        return _swap_in(tmp, target)
+        _seal(tmp, meta, {f: r for _, records, _ in gathered for f, r in records.items()})
+        return _swap_in(tmp.parent, target)
 
     def saved() -> Path:
         try:
             return finish()
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp.parent, ignore_errors=True)
             raise
 
     return _on_rank_zero(saved, group)
@@ -539,68 +592,200 @@ def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> 
 
 
 def write_atomically(path: str | os.PathLike, write: Any) -> Path:
-    """Run `write(tmp_dir)`, then swap tmp_dir in for `path` keeping the old one until done."""
-    target = Path(path).absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_killed_saves(target)  # first: the space they hold may be what this save needs
-    tmp = _scratch(target, "tmp")
+    """Run `write(dir)` on a new directory, then swap it in for `path`, the old one kept until
+    the new one is in place (see `_target` for what may be replaced)."""
+    target = _prepare(path)
+    scratch = _scratch(target, "tmp")
     try:
-        write(tmp)
+        (scratch / target.name).mkdir()
+        write(scratch / target.name)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return _swap_in(tmp, target)
+    return _swap_in(scratch, target)
 
 
-def _swap_in(tmp: Path, target: Path) -> Path:
-    """The written scratch directory `tmp`, synced, in place of `target` (the old one kept
-    aside until the new one is in)."""
+def _prepare(path: str | os.PathLike) -> Path:
+    """The directory a save of `path` writes (see `_target`), its parent made and what killed
+    saves of it left removed: before anything is written, so a refusal costs nothing."""
+    target = _target(path)
     try:
-        for file in tmp.iterdir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot save a checkpoint to {path}: {error}") from error
+    _replaceable(target)
+    _remove_killed_saves(target)  # first: the space they hold may be what this save needs
+    return target
+
+
+def _target(path: str | os.PathLike) -> Path:
+    """Where a save of `path` goes: a symbolic link is followed (the checkpoint it points to is
+    replaced and the link kept, as `open` writes through a link); the working directory, or
+    one holding it, is refused by name."""
+    given = Path(path).absolute()
+    try:
+        target = given.resolve()
+    except (OSError, RuntimeError) as error:  # a loop of links
+        raise CheckpointError(f"cannot save a checkpoint to {given}: {error}") from error
+    with suppress(OSError):  # a working directory that was deleted holds nothing
+        cwd = Path.cwd().resolve()
+        if target == cwd or target in cwd.parents:
+            raise CheckpointError(
+                f"cannot save a checkpoint to {given}: it is the working directory {cwd} or "
+                "holds it, and a save replaces the whole directory; save to a directory of its "
+                f"own, e.g. {given / 'checkpoint'}"
+            )
+    return target
+
+
+def _replaceable(target: Path) -> None:
+    """Refuse to replace `target` unless it is absent, an empty directory, or an fxstar
+    checkpoint that holds only files fxstar wrote: a save never deletes anything else."""
+    if not os.path.lexists(target):
+        return
+    if not target.is_dir():
+        raise CheckpointError(
+            f"cannot save a checkpoint to {target}: it is a file, not a checkpoint directory; "
+            "save to another path, or move the file away first"
+        )
+    try:
+        with os.scandir(target) as scan:
+            entries = {e.name: e.is_file(follow_symlinks=False) for e in scan}
+    except OSError as error:
+        raise CheckpointError(f"cannot save a checkpoint to {target}: {error}") from error
+    if not entries:
+        return
+    own = _own_files(target)
+    foreign = sorted(n for n, plain in entries.items() if own is None or n not in own or not plain)
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" * (len(foreign) > 10))
+    what = "is not an fxstar checkpoint and" if own is None else "is an fxstar checkpoint but"
+    raise CheckpointError(
+        f"cannot save a checkpoint to {target}: it {what} holds files fxstar did not write "
+        f"({shown}), which a save would delete; save to a new or empty directory, or move "
+        "them away first"
+    )
+
+
+def _own_files(directory: Path) -> set[str] | None:
+    """The names of the files fxstar wrote in checkpoint `directory` (what its manifest and
+    training.json name, whether or not their checksums hold: a damaged checkpoint may be
+    replaced), or None if neither says it is an fxstar checkpoint."""
+    own: set[str] = set()
+    found = False
+    for file in (MANIFEST, STATE):
+        try:
+            data = json.loads((directory / file).read_bytes())
+        except (OSError, ValueError, RecursionError):
+            continue
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            continue
+        found = True
+        own |= {MANIFEST, STATE, *_named_files(data)}
+    return own if found else None
+
+
+def _named_files(data: Mapping[str, Any]) -> Iterator[str]:
+    """Every plain file name a manifest or training.json gives (any structure tolerated)."""
+    names: list[Any] = []
+    for key in ("files",):
+        if isinstance(data.get(key), dict):
+            names += list(data[key])
+    names.append(data.get("tensors"))
+    parameters = data.get("parameters")
+    if isinstance(parameters, dict):
+        names.append(parameters.get("file"))
+        if isinstance(parameters.get("files"), list):
+            names += parameters["files"]
+    rank_states = data.get("rank_states")
+    if isinstance(rank_states, dict):
+        names += [e.get("tensors") for e in rank_states.values() if isinstance(e, dict)]
+    for name in names:
+        if _plain_name(name):
+            yield name
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name with no directory part: all a checkpoint's records may give."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name \
+        and "\0" not in name and os.sep not in name  # fmt: skip
+
+
+def _swap_in(scratch: Path, target: Path) -> Path:
+    """The checkpoint written in `scratch`, synced, in place of `target`; the old one moved
+    into an `.old-` scratch directory until the new one is in, then deleted."""
+    new = scratch / target.name
+    try:
+        for file in new.iterdir():
             _fsync(file)
-        _fsync(tmp)
+        _fsync(new)
         with _locked(target.parent):
-            if target.exists():
-                os.replace(target, _scratch(target, "old"))  # onto an empty, unique placeholder
-            os.replace(tmp, target)
+            _replaceable(target)  # again, under the lock: what is there now
+            if os.path.lexists(target):
+                os.replace(target, _scratch(target, "old") / target.name)
+            os.replace(new, target)
             _fsync(target.parent)
             # the one moved aside now, and any an interrupted save left: a newer one is in place
-            for old, _, _ in _siblings(target, "old"):
+            for old in _leftovers(target, "old"):
                 shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # its marker alone, once the rename is done
     return target
 
 
 def _scratch(target: Path, kind: str) -> Path:
-    """A new empty `<name>.<kind>-<host>-<pid>-XXXX` beside `target`: the host and pid tell a
-    later save whether the process that made it still runs."""
+    """A new `<name>.<kind>-<host>-<pid>-XXXX` beside `target` ("tmp": a save writing into its
+    `<name>`; "old": the checkpoint it replaces, moved into its `<name>`), holding the marker
+    that alone makes a later save treat it as fxstar's: the name is only for people."""
     prefix = f"{target.name}.{kind}-{_host()}-{os.getpid()}-"
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    marker = {"format": FORMAT, "scratch": kind, "of": target.name,
+              "host": socket.gethostname(), "pid": os.getpid()}  # fmt: skip
+    try:
+        (scratch / MARKER).write_text(json.dumps(marker), encoding="utf-8")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return scratch
 
 
-def _siblings(target: Path, kind: str) -> Iterator[tuple[Path, str | None, int | None]]:
-    """`target`'s `.tmp-` or `.old-` directories with the host and pid that made them (None for
-    format 1's `<name>.<kind>-XXXX`). Matched by the exact name: a glob built from it would
-    let `best*` or `a[1]` match other checkpoints' directories."""
-    pattern = re.compile(re.escape(target.name) + rf"\.{kind}-(?:([\w.-]+)-(\d+)-)?\w+")
+def _leftovers(target: Path, kind: str, *, killed: bool = False) -> Iterator[Path]:
+    """`target`'s scratch directories of `kind` by their marker (the name's prefix only
+    narrows the search; a user's `run.old-v1` has no marker); with `killed`, only those of
+    processes of this host that no longer run."""
     if not target.parent.is_dir():
         return
+    prefix = f"{target.name}.{kind}-"
     for path in target.parent.iterdir():
-        match = pattern.fullmatch(path.name)
-        if match is not None:
-            host, pid = match.groups()
-            yield path, host, None if pid is None else int(pid)
+        if not path.name.startswith(prefix) or path.is_symlink() or not path.is_dir():
+            continue
+        marker = _marker(path)
+        if marker is None or marker.get("scratch") != kind or marker.get("of") != target.name:
+            continue
+        pid = marker.get("pid")
+        if killed and not (marker.get("host") == socket.gethostname() and isinstance(pid, int)
+                           and not _alive(pid)):  # fmt: skip
+            continue
+        yield path
+
+
+def _marker(scratch: Path) -> dict[str, Any] | None:
+    """The marker `_scratch` wrote in `scratch`, or None."""
+    try:
+        with open(scratch / MARKER, "rb") as file:
+            marker = json.loads(file.read(4096))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("format") == FORMAT else None
 
 
 def _remove_killed_saves(target: Path) -> None:
     """Delete the `.tmp-` directories that saves of `target` killed on this host left (each a
     checkpoint's worth of disk). Kept: those of live processes, of other hosts (their pids
-    mean nothing here) and of format 1 (no pid to tell)."""
-    for path, host, pid in _siblings(target, "tmp"):
-        if host == _host() and pid is not None and not _alive(pid):
-            shutil.rmtree(path, ignore_errors=True)
+    mean nothing here), and any directory without fxstar's marker."""
+    for path in _leftovers(target, "tmp", killed=True):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _host() -> str:
@@ -760,7 +945,7 @@ class Checkpoint:
             yield from self.parameters.items()
             return
         for file in _parameter_files(self.meta):
-            with WeightSource(self.path / file) as source:
+            with WeightSource(self.path / file, verify=False) as source:  # verified by load
                 for name in source.names():
                     yield name, source.read(name)
 
@@ -793,9 +978,10 @@ class Checkpoint:
             state = {**state, "rng": self.rank_rngs[rank]}
         elif rank != 0:  # tensor parallel: the rank's own shards (rank 0's is self.state)
             state = _rank_state(self.path, self.meta, rank)
+        optimizer_state = _fitted(engine, state, strict=strict, rng=rng, file=self.path / STATE)
         copy_parameters(engine, self.parameters_one_by_one())  # a rank's shards cut by the store
         engine.zero_grad(set_to_none=True)
-        restore_training_state(engine, state, strict=strict, rng=rng)
+        _restore(engine, state, optimizer_state, rng=rng)
 
     def _resumable_by(self, engine: Engine) -> None:
         """A tensor-parallel checkpoint resumes an engine of the same world and tensor-parallel
@@ -882,16 +1068,49 @@ def _one_by_one(
 
 def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory; if a save was interrupted between its two renames, the
-    previous checkpoint it had moved aside (`<dir>.old-XXXX`)."""
+    previous checkpoint it had moved aside (`<dir>.old-XXXX/<dir>`, found by fxstar's marker
+    in it, never by its name alone)."""
     target = Path(path).absolute()
-    if (target / STATE).exists():
+    if (target / STATE).exists() or (target / MANIFEST).exists():
         return target
-    olds = [p for p, _, _ in _siblings(target, "old") if (p / STATE).exists()]
-    if not target.exists() and olds:
-        old = max(olds, key=lambda p: (p / STATE).stat().st_mtime)
-        warnings.warn(f"{target} missing: loading {old}, left by an interrupted save", stacklevel=3)
-        return old
+    with suppress(OSError, RuntimeError):
+        real = target.resolve()  # a save wrote beside the directory a link points to
+        olds = [old / real.name for old in _leftovers(real, "old")
+                if (old / real.name / STATE).exists()]  # fmt: skip
+        if not real.exists() and olds:
+            old = max(olds, key=lambda p: (p / STATE).stat().st_mtime)
+            warnings.warn(f"{target} missing: loading {old}, left by an interrupted save",
+                          stacklevel=3)  # fmt: skip
+            return old
     raise CheckpointError(f"no fxstar checkpoint at {target} ({STATE} not found)")
+
+
+def verified_files(path: Path) -> list[Path] | None:
+    """If `path` is an fxstar checkpoint directory (or a file of one): the files to read its
+    parameters from (or that file), each first checked against its checksum, training.json
+    and the manifest too. None if it is no fxstar checkpoint (`weights=` of compile reads
+    other safetensors as they are)."""
+    directory, name = (path, None) if path.is_dir() else (path.parent, path.name)
+    if not _claims_checkpoint(directory):
+        return None
+    meta = _meta(directory)
+    if name is None:
+        return [_checked_member(directory, meta, n) for n in _parameter_files(meta)]
+    if name in meta.get("files", {}):
+        return [_checked_member(directory, meta, name)]
+    return None  # format 1 (no checksums: _meta warned), or a file the checkpoint does not record
+
+
+def _claims_checkpoint(directory: Path) -> bool:
+    """Whether `directory` says it is an fxstar checkpoint: a manifest, or a training.json
+    that names fxstar's format (read as bytes: a damaged one still says so)."""
+    if os.path.lexists(directory / MANIFEST):
+        return True
+    try:
+        with open(directory / STATE, "rb") as file:
+            return FORMAT.encode() in file.read(1 << 16)
+    except OSError:
+        return False
 
 
 def load_parameters(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -934,8 +1153,7 @@ def _state(directory: Path, meta: Mapping[str, Any], name: Any, skeleton: Any) -
     tensors, _ = _read_tensors(directory, meta, name)
     with _reading(directory / STATE):
         state = _from_json(skeleton, tensors)
-        step = state["step"]  # what every resume reads: missing, it is named here
-        _ = int(step["micro_steps"]), int(step["optimizer_steps"]), state["rng"], state["optimizer"]
+    check_state(state, directory / STATE)  # before any of it reaches torch
     return state
 
 
@@ -950,43 +1168,102 @@ def _rank_state(directory: Path, meta: Mapping[str, Any], rank: int) -> dict[str
 @contextmanager
 def _reading(file: Path) -> Iterator[None]:
     """Turn what a damaged or edited `file` raises (JSONDecodeError, KeyError, SafetensorError,
-    a missing file...) into a CheckpointError that names it and says what would fix it."""
+    a JSON nested too deeply, a missing file...) into a CheckpointError that names it and says
+    what would fix it."""
     try:
         yield
     except CheckpointError:
         raise
-    except (SafetensorError, OSError, LookupError, TypeError, ValueError, AttributeError) as e:
+    except (SafetensorError, OSError, LookupError, TypeError, ValueError, AttributeError,
+            RecursionError) as e:  # fmt: skip
         raise CheckpointError(
             f"{file} cannot be read ({type(e).__name__}: {e}): it is damaged, missing or was "
             f"edited; {FIX}"
         ) from e
 
 
+def _json_file(file: Path) -> Any:
+    """A JSON file's content (its errors are `_reading`'s to name)."""
+    return json.loads(file.read_bytes().decode("utf-8"))
+
+
+def _version(data: Mapping[str, Any], file: Path) -> int:
+    """The format version `file` gives: one this fxstar reads, or a CheckpointError."""
+    version = data.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{file}: version must be an int >= 1, got {version!r}; {FIX}")
+    if version > VERSION:
+        raise CheckpointError(
+            f"{file.parent}: checkpoint format {version} is newer than this fxstar's "
+            f"({VERSION}); load it with a newer fxstar"
+        )
+    return version
+
+
+def _manifest(directory: Path) -> dict[str, Any] | None:
+    """manifest.json (format 3 on), checked against its own checksum; None if there is none."""
+    file = directory / MANIFEST
+    if not os.path.lexists(file):
+        return None
+    with _reading(file):
+        manifest = _json_file(file)
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{file}: not an fxstar checkpoint's manifest; {FIX}")
+        body = {k: v for k, v in manifest.items() if k != "crc32"}
+        if manifest.get("crc32") != _json_crc(body):
+            raise CheckpointError(
+                f"{file} does not match the checksum it holds of itself: it was edited or is "
+                f"damaged; {FIX}"
+            )
+        _version(manifest, file)
+        with named(file):
+            check_records(manifest.get("files"), "files")
+        if STATE not in manifest["files"]:
+            raise CheckpointError(f"{file} has no record of {STATE}; {FIX}")
+    return manifest
+
+
 def _meta(directory: Path) -> dict[str, Any]:
-    """training.json, checked: an fxstar checkpoint of a format this fxstar reads."""
+    """training.json, checked: against the manifest's checksum first, then as an fxstar
+    checkpoint of a format this fxstar reads, whose fields have the right types."""
+    manifest = _manifest(directory)
     file = directory / STATE
     with _reading(file):
-        meta = json.loads(file.read_text(encoding="utf-8"))
+        if manifest is not None:
+            _verify(file, manifest["files"][STATE], MANIFEST)
+        meta = _json_file(file)
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"{file}: not an fxstar checkpoint")
-        if meta["version"] > VERSION:
+        version = _version(meta, file)
+        if manifest is None and version >= 3:
             raise CheckpointError(
-                f"{directory}: checkpoint format {meta['version']} is newer than this fxstar's "
-                f"({VERSION}); load it with a newer fxstar"
+                f"{file} is of format {version}, but {directory / MANIFEST} is missing: the "
+                f"checksums of this checkpoint's files are gone; {FIX}"
             )
-        if meta["version"] < 2:
-            warnings.warn(
-                f"{directory} has no checksums (checkpoint format {meta['version']}): damage to "
-                "its files cannot be detected; save it again to add them",
-                stacklevel=3,
-            )
+        if manifest is not None:
+            if version != manifest["version"]:
+                raise CheckpointError(
+                    f"{file} says format {version}, {MANIFEST} {manifest['version']}: they are "
+                    f"not of one checkpoint; {FIX}"
+                )
+            meta["files"] = {k: v for k, v in manifest["files"].items() if k != STATE}
+        check_meta(meta, file)
+        if "state" not in meta:
+            raise CheckpointError(f"{file} has no training state ('state'); {FIX}")
+    if version < 3:
+        what = "no checksums" if version < 2 else f"no checksum of {STATE}"
+        warnings.warn(
+            f"{directory} has {what} (checkpoint format {version}): damage to its files cannot "
+            "be detected; save it again to add them",
+            stacklevel=3,
+        )
     return meta
 
 
 def _member(directory: Path, name: Any) -> Path:
     """The file `name` (from training.json) of the checkpoint, refused unless it lies in the
     directory: an edited training.json must not make load read `../x` or `/etc/...`."""
-    path = directory / name if isinstance(name, str) else None
+    path = directory / name if _plain_name(name) else None
     if path is None or path.resolve().parent != directory.resolve():
         raise CheckpointError(
             f"{directory / STATE} names {name!r} as one of its files, which is not a file in "
@@ -1007,21 +1284,21 @@ def _read_tensors(
 
 def _checked_member(directory: Path, meta: Mapping[str, Any], name: Any) -> Path:
     """The checkpoint's file `name`, its size and checksum first checked against those
-    training.json recorded (format 2; format 1 has no checksums)."""
+    recorded (format 2 on; format 1 has no checksums)."""
     with _reading(directory / STATE):
         file = _member(directory, name)
         record = meta["files"][name] if meta["version"] >= 2 else None
-        if record is not None:
-            size, crc, crcs = int(record["bytes"]), str(record["crc32"]), dict(record["tensors"])
     if record is not None:
         with _reading(file):
-            _verify(file, size, crc, crcs)
+            _verify(file, record, MANIFEST if meta["version"] >= 3 else STATE)
     return file
 
 
-def _verify(file: Path, size: int, crc: str, crcs: Mapping[str, str]) -> None:
+def _verify(file: Path, record: Mapping[str, Any], recorded: str) -> None:
     """A flipped bit or a truncated file is an error naming the file (and the tensors whose
-    bytes changed, where its header still reads), never a silently wrong weight."""
+    bytes changed, where its header still reads), never a silently wrong weight. `recorded`:
+    the file that holds `record`."""
+    size, crc, crcs = record["bytes"], record["crc32"], record.get("tensors", {})
     actual = file.stat().st_size
     if actual != size:
         raise CheckpointError(
@@ -1030,15 +1307,17 @@ def _verify(file: Path, size: int, crc: str, crcs: Mapping[str, str]) -> None:
         )
     if _file_crc(file) == crc:
         return
-    try:
-        with safe_open(file, "pt") as f:
-            keys = f.keys()  # safe_open is not iterable
-            changed = [k for k in keys if crcs.get(k) != _tensor_crc(f.get_tensor(k))]
-    except Exception:  # a damaged header: the file alone is named
-        changed = []
+    changed = []
+    if crcs:
+        try:
+            with safe_open(file, "pt") as f:
+                keys = f.keys()  # safe_open is not iterable
+                changed = [k for k in keys if crcs.get(k) != _tensor_crc(f.get_tensor(k))]
+        except Exception:  # a damaged header: the file alone is named
+            changed = []
     which = f" (tensors whose bytes changed: {', '.join(changed)})" if changed else ""
     raise CheckpointError(
-        f"{file} does not match the checksum {STATE} recorded when it was saved{which}: the "
+        f"{file} does not match the checksum {recorded} recorded when it was saved{which}: the "
         f"file is damaged; {FIX}"
     )
 
@@ -1050,13 +1329,24 @@ def _parameter_shapes(directory: Path, meta: Mapping[str, Any]) -> dict[str, tor
     aliases: dict[str, str] = {}
     for name in _parameter_files(meta):
         file = _checked_member(directory, meta, name)
-        with _reading(file), WeightSource(file) as source:
+        with _reading(file), WeightSource(file, verify=False) as source:  # verified above
             shapes.update({n: torch.empty(source.shape(n), dtype=source.dtype(n), device="meta")
                            for n in source.names()})  # fmt: skip
             aliases.update(source.aliases())
+    return _with_aliases(directory, shapes, aliases)
+
+
+def _with_aliases(directory: Path, tensors: dict[str, torch.Tensor],
+                  aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """`tensors` with each tied weight's other names (the files record {alias: stored name})."""
     for alias, name in aliases.items():
-        shapes[alias] = shapes[name]
-    return shapes
+        if name not in tensors:
+            raise CheckpointError(
+                f"{directory}: its parameter files name {alias!r} another name of {name!r}, "
+                f"which none of them holds; {FIX}"
+            )
+        tensors[alias] = tensors[name]
+    return tensors
 
 
 def _parameter_files(meta: Mapping[str, Any]) -> list[str]:
@@ -1072,7 +1362,5 @@ def _parameters(directory: Path, meta: Mapping[str, Any]) -> dict[str, torch.Ten
         tensors, header = _read_tensors(directory, meta, file)
         params.update(tensors)
         with _reading(directory / file):
-            aliases.update(json.loads(header.get(ALIASES_KEY, "{}")))
-    for alias, name in aliases.items():
-        params[alias] = params[name]
-    return params
+            aliases.update(parse_aliases(directory / file, header.get(ALIASES_KEY, "{}")))
+    return _with_aliases(directory, params, aliases)

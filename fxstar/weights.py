@@ -53,6 +53,7 @@ __all__ = [
 INDEX = "model.safetensors.index.json"  # transformers' sharded layout: weight_map name -> file
 SINGLE = "model.safetensors"
 ALIASES_KEY = "fxstar.aliases"  # fxstar checkpoints: {alias: stored name} in the header metadata
+HUB_REPOS = ("models--", "datasets--", "spaces--")  # a Hugging Face hub cache's repository folders
 MAX_HEADER = 100 * 2**20  # what safetensors itself accepts
 SCRATCH = 64 * 2**20  # bytes read at a time when a tensor must be cast or copied to a device
 PROGRESS_BYTES = 2**30  # a load smaller than this finishes too soon for a bar to help
@@ -149,11 +150,13 @@ def _header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                     f"its {size} bytes)"
                 )
             header = json.loads(fh.read(length))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise WeightsError(f"{file}: cannot read its safetensors header ({err})") from err
     if not isinstance(header, dict):
         raise WeightsError(f"{file}: its safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise WeightsError(f"{file}: its safetensors header's __metadata__ is not a JSON object")
     start = 8 + length
     tensors = {}
     for name, entry in header.items():
@@ -178,24 +181,56 @@ def _header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 
 def _inside(directory: Path, name: Any, index: Path) -> Path:
-    """A file an index names, refused unless it lies in the index's directory."""
-    path = directory / name if isinstance(name, str) else None
-    if path is None or path.resolve().parent != directory.resolve():
+    """A file an index names: a name in the index's directory, whose file lies there too, or
+    (a link) in the blobs of the Hugging Face hub cache repository the directory is a snapshot
+    of (`snapshots/<rev>/x -> ../../blobs/<hash>`); a name or link leading anywhere else is
+    refused."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+    path = directory / name if plain and "\\" not in name else None
+    if path is None or path.resolve().parent not in (directory.resolve(), _hub_blobs(directory)):
         raise WeightsError(f"{index} names {name!r}, which is not a file in {directory}")
     return path
+
+
+def _hub_blobs(directory: Path) -> Path | None:
+    """The `blobs` folder of the hub cache repository (`models--org--name`, `datasets--...`)
+    whose `snapshots/<revision>` `directory` is, or None."""
+    snapshot = directory.resolve()
+    repo = snapshot.parent.parent
+    if snapshot.parent.name != "snapshots" or not repo.name.startswith(HUB_REPOS):
+        return None
+    blobs = repo / "blobs"
+    return blobs.resolve() if blobs.is_dir() else None
+
+
+def parse_aliases(file: Path, text: str) -> dict[str, str]:
+    """The {alias: stored name} an fxstar checkpoint's file records, checked."""
+    try:
+        aliases = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise WeightsError(f"{file}: its {ALIASES_KEY} metadata is not JSON ({err})") from err
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    ):
+        raise WeightsError(f"{file}: its {ALIASES_KEY} metadata is not an object of names")
+    return aliases
 
 
 class WeightSource:
     """Named tensors in safetensors files, read one at a time into given tensors.
 
     `path`: a `.safetensors` file; or a directory holding `model.safetensors.index.json`
-    (transformers' shards), else `model.safetensors`, else every `*.safetensors` in it (a name
-    in two of them is an error). Only headers are read on opening; file handles stay open for
-    repeated reads until `close()` (or the end of a `with` block).
+    (transformers' shards, a Hugging Face hub cache snapshot's too), else `model.safetensors`,
+    else every `*.safetensors` in it (a name in two of them is an error). An fxstar checkpoint
+    directory gives the parameter files its training.json names, and with `verify` each file
+    read from it is first checked against its checksum (a whole extra read; a damaged file is
+    a CheckpointError naming it). Only headers are read on opening; file handles stay open
+    for repeated reads until `close()` (or the end of a `with` block).
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True):
         self.path = Path(path)
+        self.verify = verify
         self._tensors: dict[str, TensorInfo] = {}
         self._aliases: dict[str, str] = {}
         self._handles: dict[Path, BinaryIO] = {}
@@ -211,7 +246,7 @@ class WeightSource:
                     )
                 self._tensors[name] = info
             if ALIASES_KEY in metadata:
-                self._aliases.update(json.loads(metadata[ALIASES_KEY]))
+                self._aliases.update(parse_aliases(file, metadata[ALIASES_KEY]))
         for name, file in (weight_map or {}).items():
             if name not in self._tensors or self._tensors[name].file != file:
                 raise WeightsError(
@@ -221,10 +256,18 @@ class WeightSource:
 
     def _files(self) -> tuple[list[Path], dict[str, Path] | None]:
         path = self.path
+        if not path.exists():
+            raise WeightsError(f"{path}: no such file or directory")
+        if self.verify:
+            from fxstar.saving import verified_files  # saving reads through this module
+
+            checkpoint = verified_files(path)
+            if checkpoint is not None:
+                return checkpoint, None
         if path.is_file():
             return [path], None
         if not path.is_dir():
-            raise WeightsError(f"{path}: no such file or directory")
+            raise WeightsError(f"{path}: not a file or directory")
         if (path / INDEX).is_file():
             try:
                 weight_map = json.loads((path / INDEX).read_text())["weight_map"]

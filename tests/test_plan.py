@@ -498,7 +498,7 @@ def test_from_json_refuses_text_that_is_not_json(tmp_path):
         (b'"adamw"', "plan.json: must be a JSON object of plan options, got 'adamw'"),
         ("[" * 100_000 + "]" * 100_000, "plan JSON: nested too deeply"),
         ('{"optimizer": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
-        (b"{\"precision\": \"\xff\"}", "plan.json: not UTF-8 text"),
+        (b'{"precision": "\xff"}', "plan.json: not UTF-8 text"),
     ],
 )
 def test_from_json_refuses_json_that_is_no_plan_by_name(text, message, tmp_path):

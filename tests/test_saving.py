@@ -3,10 +3,12 @@ loading, mismatches listed, a save that fails halfway leaves the previous checkp
 or edited files are errors naming them, names are never globs, killed saves are cleaned up,
 concurrent writers and tensor-parallel ranks leave one whole checkpoint."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -304,8 +306,8 @@ def test_a_truncated_file_is_an_error_naming_it_with_or_without_checksums(saved,
     assert str(file) in str(info.value)
     # format 1 had no checksums: it still loads (with a warning), and safetensors' own error
     # on a truncated file is named too
+    (path / ckpt.MANIFEST).unlink()  # format 1: no manifest and no records in training.json
     meta = json.loads((path / ckpt.STATE).read_text())
-    del meta["files"]
     (path / ckpt.STATE).write_text(json.dumps({**meta, "version": 1}))
     damaged = pytest.raises(fxstar.CheckpointError, match="cannot be read")
     with pytest.warns(UserWarning, match="no checksums"), damaged as info:
@@ -322,13 +324,29 @@ def _edit(path: Path, change) -> None:
     (path / ckpt.STATE).write_text(json.dumps(meta))
 
 
+def _reseal(path: Path) -> None:
+    """Record every file's size and CRC in the manifest again, as a tool that edits a
+    checkpoint knowingly would: then only the values' own checks stand in the way."""
+    if not (path / ckpt.MANIFEST).exists():
+        return
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    for name, record in manifest["files"].items():
+        record.update(ckpt._record(path / name))
+        if "tensors" in record:
+            with safe_open(path / name, "pt") as f:
+                keys = f.keys()  # safe_open is not iterable
+                record["tensors"] = {k: ckpt._tensor_crc(f.get_tensor(k)) for k in keys}
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    (path / ckpt.MANIFEST).write_text(json.dumps({**body, "crc32": ckpt._json_crc(body)}))
+
+
 EDITS = {
     "invalid JSON": lambda path: (path / ckpt.STATE).write_text('{"format": "fxstar-chec'),
     "missing key": lambda path: _edit(path, lambda meta: meta["state"].pop("step")),
     "missing tensor": lambda path: _edit(
         path, lambda meta: meta["state"]["rng"].update(torch={"__tensor__": "nowhere"})
     ),
-    "checksums gone": lambda path: _edit(path, lambda meta: meta.pop("files", None)),
+    "checksums gone": lambda path: (path / ckpt.MANIFEST).unlink(),
     "relative path": lambda path: _edit(path, lambda meta: meta.update(tensors="../outside")),
     "absolute path": lambda path: _edit(
         path, lambda meta: meta.update(tensors=str(path.parent / "outside"))
@@ -336,17 +354,25 @@ EDITS = {
 }
 
 
+@pytest.mark.parametrize("resealed", [False, True], ids=["checksum", "resealed"])
 @pytest.mark.parametrize("edit", EDITS)
-def test_an_edited_training_json_is_an_error_naming_it(edit, saved, tmp_path):
+def test_an_edited_training_json_is_an_error_naming_it(edit, resealed, saved, tmp_path):
+    """Caught by the manifest's checksum; and, with the checksums written again, by the
+    checks of what training.json holds."""
     path = _copy(saved[1], tmp_path)
     shutil.copy(path / ckpt.TENSORS, tmp_path / "outside")  # what the path edits point at
     EDITS[edit](path)
+    if resealed:
+        _reseal(path)
     with pytest.raises(fxstar.CheckpointError) as info:
         fxstar.load(path)
     message = str(info.value)
     assert str(path / ckpt.STATE) in message and "save the checkpoint again" in message
-    if "path" in edit:
-        assert "not a file in" in message
+    if not resealed:
+        changed = "does not match the checksum manifest.json|but was saved with|is missing"
+        assert re.search(changed, message)
+    elif "path" in edit:
+        assert "not a file in" in message or "must be the name of a file" in message
 
 
 def test_loss_scaler_state_sets_only_the_scaler_s_fields(tmp_path):
@@ -358,9 +384,31 @@ def test_loss_scaler_state_sets_only_the_scaler_s_fields(tmp_path):
     engine.scaler = LossScaler()
     engine.save(tmp_path / "ckpt")
     _edit(tmp_path / "ckpt", lambda meta: meta["state"]["loss_scaler"].update(update=None))
+    _reseal(tmp_path / "ckpt")
     with pytest.raises(fxstar.CheckpointError, match="unknown fields 'update'"):
         engine.load(tmp_path / "ckpt")
     assert callable(engine.scaler.update)
+
+
+def _leftover(directory: Path, of: str, kind: str, host: str, pid: int) -> str:
+    """A scratch directory as a save of `of` by process `pid` on `host` leaves it."""
+    name = f"{of}.{kind}-{host}-{pid}-abcd1234"
+    (directory / name).mkdir()
+    marker = {"format": ckpt.FORMAT, "scratch": kind, "of": of, "host": host, "pid": pid}
+    (directory / name / ckpt.MARKER).write_text(json.dumps(marker))
+    return name
+
+
+def _users(directory: Path, *names: str) -> dict[str, str]:
+    """Directories of a user's, each with a file in it: {name: the file's text}."""
+    for name in names:
+        (directory / name).mkdir()
+        (directory / name / "notes.txt").write_text(f"mine: {name}")
+    return {name: f"mine: {name}" for name in names}
+
+
+def _intact(directory: Path, users: dict[str, str]) -> bool:
+    return all((directory / n / "notes.txt").read_text() == text for n, text in users.items())
 
 
 def test_a_save_removes_what_killed_saves_of_its_path_left(saved, tmp_path):
@@ -373,27 +421,140 @@ def test_a_save_removes_what_killed_saves_of_its_path_left(saved, tmp_path):
     )  # fmt: skip
     (left,) = os.listdir(tmp_path)
     assert left.startswith("ckpt.tmp-")
-    host, dead = ckpt._host(), left.split("-")[-2]
-    kept = [f"ckpt.tmp-{host}-{os.getpid()}-live0000", f"ckpt.tmp-elsewhere-{dead}-abcd1234",
-            f"ckpt2.tmp-{host}-{dead}-abcd1234"]  # fmt: skip
-    for name in kept:  # a live writer's, another host's, another checkpoint's
-        (tmp_path / name).mkdir()
+    host = socket.gethostname()
+    dead = json.loads((tmp_path / left / ckpt.MARKER).read_text())["pid"]
+    kept = [_leftover(tmp_path, "ckpt", "tmp", host, os.getpid()),  # a live writer's
+            _leftover(tmp_path, "ckpt", "tmp", "elsewhere", dead),  # another host's
+            _leftover(tmp_path, "ckpt2", "tmp", host, dead)]  # another checkpoint's  # fmt: skip
+    # named like leftovers, but a user's: no marker of fxstar's in them
+    users = _users(tmp_path, f"ckpt.tmp-{ckpt._host()}-{dead}-abcd1234", "ckpt.old-v1",
+                   "ckpt.old-abcd1234")  # fmt: skip
     engine.save(target)
-    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *kept])
+    engine.save(target)  # replacing the checkpoint deletes only what it moved aside
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *kept, *users])
+    assert _intact(tmp_path, users)
 
 
 @pytest.mark.parametrize("name", ["a[1]", "a*", "a?"])
 def test_a_name_with_glob_characters_touches_only_its_own_checkpoint(name, saved, tmp_path):
     engine, _ = saved
     (tmp_path / "a1").mkdir()  # a neighbour caught by an interrupted save: only its backup
-    backup = Path(shutil.copytree(saved[1], tmp_path / "a1.old-abcd1234"))
+    backup = ckpt._scratch(tmp_path / "a1", "old")
+    shutil.copytree(saved[1], backup / "a1")
     engine.save(tmp_path / name)
     engine.save(tmp_path / name)  # the second moves the first aside and deletes it
     assert sorted(os.listdir(tmp_path)) == sorted([name, "a1", backup.name])
     assert fxstar.load(tmp_path / name).path == tmp_path / name
     (tmp_path / "a1").rmdir()
     with pytest.warns(UserWarning, match="interrupted save"):
-        assert fxstar.load(tmp_path / "a1").path == backup
+        assert fxstar.load(tmp_path / "a1").path == backup / "a1"
+
+
+def test_load_never_takes_a_user_s_old_directory_for_an_interrupted_save(saved, tmp_path):
+    shutil.copytree(saved[1], tmp_path / "run.old-v1")  # a checkpoint the user renamed
+    with pytest.raises(fxstar.CheckpointError, match="no fxstar checkpoint"):
+        fxstar.load(tmp_path / "run")
+
+
+# -- what a save may replace --------------------------------------------------------------------
+
+
+def test_a_save_never_deletes_what_fxstar_did_not_write(saved, tmp_path):
+    """A directory that is no checkpoint, a checkpoint holding a user's file, a file: each
+    refused by name, left as it was, nothing beside it."""
+    engine, _ = saved
+    users = _users(tmp_path, "results")
+    inside = _copy(saved[1], tmp_path / "ckpts")
+    (inside / "notes.txt").write_text("mine")
+    (tmp_path / "model.pt").write_text("a file")
+    for target, named in ((tmp_path / "results", "not an fxstar checkpoint.*notes.txt"),
+                          (inside, "fxstar checkpoint but holds files .*notes.txt"),
+                          (tmp_path / "model.pt", "is a file")):  # fmt: skip
+        listing = sorted(os.listdir(target.parent))
+        with pytest.raises(fxstar.CheckpointError, match=named) as info:
+            engine.save(target)
+        assert str(target) in str(info.value)
+        assert sorted(os.listdir(target.parent)) == listing  # no scratch directory left
+    assert _intact(tmp_path, users) and (inside / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "model.pt").read_text() == "a file"
+    (tmp_path / "empty").mkdir()  # an empty directory is a fine place for one
+    engine.save(tmp_path / "empty")
+    assert fxstar.load(tmp_path / "empty").state["step"]["micro_steps"] == engine.step_count
+
+
+def test_a_save_to_the_working_directory_or_one_holding_it_is_refused(saved, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    engine, _ = saved
+    project = _copy(saved[1], tmp_path / "project")  # even a checkpoint: it is in use
+    (project / "train.py").write_text("source")
+    monkeypatch.chdir(project)
+    for target in (".", "..", project, tmp_path, Path("/")):
+        with pytest.raises(fxstar.CheckpointError, match="working directory") as info:
+            engine.save(target)
+        assert str(Path(target).absolute()) in str(info.value)
+    assert (project / "train.py").read_text() == "source"
+    assert sorted(os.listdir(tmp_path)) == ["project"]
+
+
+def test_a_save_through_a_symbolic_link_replaces_what_it_points_to(saved, tmp_path):
+    """`latest -> run-100`: the checkpoint is written at run-100 and the link kept; a link to
+    a user's directory is refused by the directory's name; nothing is left beside either."""
+    engine, _ = saved
+    shutil.copytree(saved[1], tmp_path / "run-100")
+    (tmp_path / "latest").symlink_to("run-100")
+    engine.step_count += 3  # tell the new checkpoint from the old one
+    try:
+        assert engine.save(tmp_path / "latest") == str(tmp_path / "run-100")
+        assert fxstar.load(tmp_path / "latest").state["step"]["micro_steps"] == engine.step_count
+    finally:
+        engine.step_count -= 3
+    assert os.readlink(tmp_path / "latest") == "run-100"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run-100"]
+    (tmp_path / "next").symlink_to("run-200")  # to nothing yet: made there
+    engine.save(tmp_path / "next")
+    assert fxstar.load(tmp_path / "run-200").state["step"]["micro_steps"] == engine.step_count
+    users = _users(tmp_path, "mine")
+    (tmp_path / "link").symlink_to("mine")
+    with pytest.raises(fxstar.CheckpointError, match=f"{tmp_path / 'mine'}: it is not an"):
+        engine.save(tmp_path / "link")
+    assert _intact(tmp_path, users)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "link", "mine", "next", "run-100", "run-200"]
+
+
+class _OneRank:
+    """torch.distributed as a data-parallel save of one rank sees it: the collectives pass
+    every object through, so `_save_data_parallel` runs whole in this process."""
+
+    def get_rank(self, group=None) -> int:
+        return 0
+
+    def get_world_size(self, group=None) -> int:
+        return 1
+
+    def gather_object(self, obj, gathered, group=None, group_dst=0) -> None:
+        gathered[0] = obj
+
+    def broadcast_object_list(self, objects, group=None, group_src=0) -> None:
+        pass
+
+
+def test_the_data_parallel_save_replaces_only_what_a_save_may(saved, tmp_path, monkeypatch):
+    engine, _ = saved
+    monkeypatch.setattr(ckpt, "dist", _OneRank())
+    monkeypatch.setattr(ckpt.tp, "process_group", lambda group: None)
+    monkeypatch.setattr(ckpt.tp, "guard", lambda *args, **kwargs: contextlib.nullcontext())
+    users = _users(tmp_path, "results")
+    with pytest.raises(fxstar.CheckpointError, match="results: it is not an fxstar checkpoint"):
+        ckpt._save_data_parallel(engine, tmp_path / "results")
+    monkeypatch.chdir(tmp_path / "results")
+    with pytest.raises(fxstar.CheckpointError, match="working directory"):
+        ckpt._save_data_parallel(engine, ".")
+    assert _intact(tmp_path, users) and sorted(os.listdir(tmp_path)) == ["results"]
+    shutil.copytree(saved[1], tmp_path / "run-1")
+    (tmp_path / "latest").symlink_to("run-1")
+    assert ckpt._save_data_parallel(engine, tmp_path / "latest") == tmp_path / "run-1"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "results", "run-1"]
+    assert _equal(ckpt.load_parameters(tmp_path / "latest"), engine.state_dict())
 
 
 def test_load_of_a_glob_pattern_reads_no_other_checkpoint(saved, tmp_path):
@@ -408,9 +569,9 @@ def test_two_writers_of_one_path_each_leave_a_whole_checkpoint(tmp_path):
     def writer(tag: str) -> None:
         try:
             for i in range(30):
-                ckpt.write_atomically(
-                    target, lambda tmp, i=i: (tmp / "who").write_text(f"{tag}{i}")
-                )
+                ckpt.write_atomically(target, lambda tmp, i=i: (tmp / ckpt.STATE).write_text(
+                    json.dumps({"format": ckpt.FORMAT, "who": f"{tag}{i}"})
+                ))  # fmt: skip
         except Exception as error:
             errors.append(error)
 
@@ -420,7 +581,8 @@ def test_two_writers_of_one_path_each_leave_a_whole_checkpoint(tmp_path):
     for thread in threads:
         thread.join()
     assert not errors
-    assert os.listdir(tmp_path) == ["ckpt"] and (target / "who").read_text() in ("a29", "b29")
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert json.loads((target / ckpt.STATE).read_text())["who"] in ("a29", "b29")
 
 
 def _resume_tensor_parallel(rank: int, world: int, path: str) -> dict:
@@ -464,7 +626,8 @@ def test_a_tensor_parallel_run_resumes_bitwise_on_every_rank(tmp_path):
         assert result["same_losses"], (rank, result["losses"])
         assert result["same_state"], rank
     files = sorted(os.listdir(path))
-    assert files == sorted([ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE, ckpt._rank_file(1)])
+    assert files == sorted([ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE, ckpt.MANIFEST,
+                            ckpt._rank_file(1)])  # fmt: skip
     model = tiny_gpt(5)
     checkpoint = fxstar.load(path, model)  # the full weights, not rank 0's shards
     assert checkpoint.meta["ranks"] == 2
