@@ -696,3 +696,185 @@ def test_write_safetensors_round_trips_every_dtype_and_its_checksums(tmp_path):
             assert read.dtype == t.dtype and torch.equal(read, t), name
             data = read.reshape(-1).view(torch.uint8).numpy().tobytes() if read.numel() else b""
             assert crcs[name] == zlib.crc32(data), name
+
+
+# -- every byte read back is checked; every value read back is checked ----------------------------
+
+
+def _flip_digit_after(path: Path, *keys: str) -> None:
+    """Flip the lowest bit of the first digit after `keys` (each found after the one before)
+    in training.json: still valid JSON, another number."""
+    file = path / ckpt.STATE
+    data = bytearray(file.read_bytes())
+    at = 0
+    for key in keys:
+        at = data.index(f'"{key}"'.encode(), at)
+    at = next(i for i in range(at, len(data)) if chr(data[i]) in "123456789")
+    before = json.loads(data)
+    data[at] ^= 0x01
+    assert json.loads(data) != before  # the same JSON, one value changed
+    file.write_bytes(data)
+
+
+@pytest.mark.parametrize(
+    "keys", [("param_groups", "lr"), ("step", "micro_steps")], ids=["lr", "micro_steps"]
+)
+def test_a_flipped_bit_in_training_json_is_an_error_naming_it(keys, saved, tmp_path):
+    path = _copy(saved[1], tmp_path)
+    _flip_digit_after(path, *keys)
+    for load in (fxstar.load, saved[0].load):
+        with pytest.raises(fxstar.CheckpointError, match="does not match the checksum") as info:
+            load(path)
+        assert str(path / ckpt.STATE) in str(info.value)
+
+
+def test_the_manifest_checks_itself(saved, tmp_path):
+    path = _copy(saved[1], tmp_path)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    assert set(manifest["files"]) == {ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE}
+    manifest["files"][ckpt.STATE]["crc32"] = "00000000"  # as an edit of training.json would
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(fxstar.CheckpointError, match="checksum it holds of itself") as info:
+        fxstar.load(path)
+    assert str(path / ckpt.MANIFEST) in str(info.value)
+    for hostile in ("[" * 100_000 + "]" * 100_000, "[1, 2]", '{"format": 7'):
+        (path / ckpt.MANIFEST).write_text(hostile)
+        with pytest.raises(fxstar.CheckpointError) as info:
+            fxstar.load(path)
+        assert str(path / ckpt.MANIFEST) in str(info.value)
+
+
+def _nested(depth: int) -> list:
+    nested: list = []
+    for _ in range(depth):
+        nested = [nested]
+    return nested
+
+
+def _deeply_nested(path: Path) -> None:
+    """training.json with a value nested past what json's decoder recurses into."""
+    file = path / ckpt.STATE
+    text = file.read_text()
+    file.write_text(text.replace('"state": {', '"state": {"extra": ' + "[" * 100_000
+                                 + "]" * 100_000 + ", ", 1))  # fmt: skip
+
+
+def _group(meta: dict) -> dict:
+    return meta["state"]["optimizer"]["param_groups"][0]
+
+
+VALUES = {  # edit of training.json -> what the error names
+    "lr < 0": (lambda m: _group(m).update(lr=-1.0), r"param_groups\[0\]\.lr: must be in \[0, 10\]"),
+    "lr a str": (lambda m: _group(m).update(lr="0.01"), r"\.lr: must be a number"),
+    "beta2 1.5": (lambda m: _group(m).update(betas=[0.9, 1.5]), r"\.betas\[1\]: must be in"),
+    "eps 0": (lambda m: _group(m).update(eps=0), r"\.eps: must be in"),
+    "weight_decay nan": (lambda m: _group(m).update(weight_decay=float("nan")), "weight_decay"),
+    "amsgrad 1": (lambda m: _group(m).update(amsgrad=1), r"\.amsgrad: must be a bool"),
+    "negative steps": (
+        lambda m: m["state"]["step"].update(micro_steps=-3),
+        r"step\.micro_steps: must be >= 0",
+    ),  # fmt: skip
+    "fractional steps": (
+        lambda m: m["state"]["step"].update(micro_steps=1.5),
+        r"step\.micro_steps: must be an int",
+    ),  # fmt: skip
+    "more optimizer steps": (
+        lambda m: m["state"]["step"].update(optimizer_steps=99),
+        "optimizer_steps: must be at most",
+    ),  # fmt: skip
+    "python rng cut": (
+        lambda m: m["state"]["rng"]["python"]["__tuple__"][1]["__tuple__"].pop(),
+        r"rng\.python\[1\]: must be a list of 625",
+    ),  # fmt: skip
+    "ranks a str": (lambda m: m.update(ranks="two"), "ranks: must be an int"),
+    "version a str": (lambda m: m.update(version="3"), "version must be an int"),
+    "scheduler lr": (
+        lambda m: m["state"]["scheduler"].update(base_lrs=[-1.0, 0.01]),
+        r"scheduler\.base_lrs\[0\]: must be in",
+    ),  # fmt: skip
+    "deeply nested": (None, "RecursionError"),
+}
+
+
+@pytest.mark.parametrize("edit", VALUES)
+def test_every_value_read_back_is_checked_before_it_reaches_torch(edit, saved, tmp_path):
+    """training.json edited and its checksums written again: a value of the wrong type or out
+    of range is a CheckpointError naming the field and the file; the engine is left as it was."""
+    engine, _ = saved
+    path = _copy(saved[1], tmp_path)
+    change, named = VALUES[edit]
+    _deeply_nested(path) if change is None else _edit(path, change)
+    _reseal(path)
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    lr, steps = engine.optimizer.param_groups[0]["lr"], engine.step_count
+    with pytest.raises(fxstar.CheckpointError, match=named) as info:
+        engine.load(path)
+    assert str(path / ckpt.STATE) in str(info.value)
+    assert _equal(engine.state_dict(), before)
+    assert engine.optimizer.param_groups[0]["lr"] == lr and engine.step_count == steps
+
+
+def test_loss_scaler_values_are_checked(tmp_path):
+    engine = compile(tiny_gpt(), Plan(optimizer=OPTIMIZER), tokens())
+    engine.scaler = LossScaler()
+    engine.save(tmp_path / "ckpt")
+    for field, value, named in (("window", 0, "window: must be >= 1"),
+                                ("scale", float("inf"), "scale: must be in"),
+                                ("dynamic", "yes", "dynamic: must be a bool")):  # fmt: skip
+        path = _copy(tmp_path / "ckpt", tmp_path / field)
+        _edit(path, lambda meta, f=field, v=value: meta["state"]["loss_scaler"].update({f: v}))
+        _reseal(path)
+        with pytest.raises(fxstar.CheckpointError, match=f"loss_scaler.{named}"):
+            engine.load(path)
+    assert engine.scaler == LossScaler()
+
+
+def test_the_loss_scaler_checks_cover_every_field_of_the_loss_scaler():
+    from dataclasses import fields
+
+    from fxstar.checkpoint_values import LOSS_SCALER_FIELDS
+
+    assert set(LOSS_SCALER_FIELDS) == {f.name for f in fields(LossScaler)}
+
+
+def test_moments_of_another_shape_are_refused_before_anything_is_restored(saved, tmp_path):
+    """A moment of the wrong shape would be broadcast into its parameter's by a copy."""
+    from fxstar.weights import write_safetensors
+
+    engine, _ = saved
+    path = _copy(saved[1], tmp_path)
+    with safe_open(path / ckpt.TENSORS, "pt") as f:
+        keys = f.keys()  # safe_open is not iterable
+        tensors = {k: f.get_tensor(k).clone() for k in keys}  # not the mapped file: rewritten
+        metadata = f.metadata()
+    key = next(k for k in tensors if k.endswith("/exp_avg") and tensors[k].dim() == 2)
+    tensors[key] = tensors[key][:1].clone()  # broadcastable to the parameter's shape
+    write_safetensors(path / ckpt.TENSORS, tensors, metadata)
+    _reseal(path)
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    with pytest.raises(fxstar.CheckpointError, match=r"exp_avg: must have its parameter's shape"):
+        engine.load(path)
+    assert _equal(engine.state_dict(), before)
+
+
+@pytest.mark.parametrize("damaged", [ckpt.PARAMETERS, ckpt.STATE])
+def test_weights_from_an_fxstar_checkpoint_are_verified(damaged, saved, tmp_path):
+    """compile(meta model, weights=checkpoint): its checksums are checked before it is read."""
+    path = _copy(saved[1], tmp_path)
+    with torch.device("meta"):
+        model = tiny_gpt()
+    plan = Plan(optimizer=OPTIMIZER, device_memory="auto")
+    engine = compile(model, plan, tokens(), weights=path)  # whole: it loads
+    assert _equal(engine.state_dict(), ckpt.load_parameters(path))
+    if damaged == ckpt.STATE:
+        _flip_digit_after(path, "param_groups", "lr")
+    else:
+        data = bytearray((path / damaged).read_bytes())
+        data[len(data) // 2] ^= 0x40
+        (path / damaged).write_bytes(data)
+    for weights in (path, path / ckpt.PARAMETERS):
+        with torch.device("meta"):
+            model = tiny_gpt()
+        with pytest.raises(fxstar.CheckpointError, match="does not match the checksum") as info:
+            compile(model, plan, tokens(), weights=weights)
+        assert str(path / damaged) in str(info.value)
