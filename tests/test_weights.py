@@ -181,6 +181,82 @@ def test_index_is_checked(tmp_path: Path) -> None:
         WeightSource(tmp_path)
 
 
+def _hub_snapshot(root: Path, shards: dict[str, dict[str, torch.Tensor]]) -> Path:
+    """A Hugging Face hub cache repository as huggingface_hub lays it out: the files in
+    blobs/<hash>, each snapshot's names symbolic links into ../../blobs."""
+    repo = root / "hub" / "models--org--tiny"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    index = {"metadata": {}, "weight_map": {n: f for f, ts in shards.items() for n in ts}}
+    files = {f: None for f in shards} | {weights.INDEX: json.dumps(index)}
+    for i, (name, content) in enumerate(files.items()):
+        blob = blobs / f"{i:040x}"
+        if content is None:
+            save_file(shards[name], blob)
+        else:
+            blob.write_text(content)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_loads(tmp_path: Path) -> None:
+    shards = {"model-00001-of-00002.safetensors": {"a": torch.randn(3, 2)},
+              "model-00002-of-00002.safetensors": {"b": torch.arange(4)}}  # fmt: skip
+    snapshot = _hub_snapshot(tmp_path, shards)
+    with WeightSource(snapshot) as source:
+        assert sorted(source.names()) == ["a", "b"]
+        assert torch.equal(source.read("a"), shards["model-00001-of-00002.safetensors"]["a"])
+        assert torch.equal(source.read("b"), shards["model-00002-of-00002.safetensors"]["b"])
+
+
+def test_links_and_names_leading_out_of_a_hub_snapshot_are_refused(tmp_path: Path) -> None:
+    shards = {"model-00001-of-00001.safetensors": {"a": torch.randn(3, 2)}}
+    snapshot = _hub_snapshot(tmp_path, shards)
+    index = snapshot / weights.INDEX
+    blob = (snapshot / "model-00001-of-00001.safetensors").resolve()
+    # a name with a directory part, even one leading to the right blob
+    index.unlink()
+    index.write_text(json.dumps({"weight_map": {"a": f"../../blobs/{blob.name}"}}))
+    with pytest.raises(WeightsError, match="not a file in"):
+        WeightSource(snapshot)
+    # a link out of the repository's blobs
+    save_file(shards["model-00001-of-00001.safetensors"], tmp_path / "outside.safetensors")
+    (snapshot / "evil.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    index.write_text(json.dumps({"weight_map": {"a": "evil.safetensors"}}))
+    with pytest.raises(WeightsError, match="evil.safetensors.*not a file in"):
+        WeightSource(snapshot)
+    # the same layout outside a hub cache repository: links into a sibling blobs/ are refused
+    plain = tmp_path / "plain"
+    (plain / "blobs").mkdir(parents=True)
+    (plain / "snap").mkdir()
+    save_file(shards["model-00001-of-00001.safetensors"], plain / "blobs" / "x")
+    (plain / "snap" / "w.safetensors").symlink_to(Path("..", "blobs", "x"))
+    (plain / "snap" / weights.INDEX).write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
+    with pytest.raises(WeightsError, match="not a file in"):
+        WeightSource(plain / "snap")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[" * 50_000 + b"]" * 50_000,  # nested past json's recursion
+        json.dumps({"__metadata__": [1, 2]}).encode(),
+        json.dumps({"__metadata__": {weights.ALIASES_KEY: "[" * 50_000}}).encode(),
+        json.dumps({"__metadata__": {weights.ALIASES_KEY: "[1, 2]"}}).encode(),
+    ],
+    ids=["deep", "metadata a list", "aliases deep", "aliases a list"],
+)
+def test_a_hostile_header_is_an_error_naming_the_file(header: bytes, tmp_path: Path) -> None:
+    file = tmp_path / "w.safetensors"
+    file.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(WeightsError) as err:
+        WeightSource(file)
+    assert str(file) in str(err.value)
+
+
 # -- materialize ---------------------------------------------------------------------------------
 
 
