@@ -37,7 +37,7 @@ from fxstar.plan import (
     _type_error,
 )
 
-__all__ = ["check_fits", "check_meta", "check_records", "check_state", "named"]
+__all__ = ["check_fits", "check_meta", "check_records", "check_state", "is_file_name", "named"]
 
 FIX = "restore it from a copy, or save the checkpoint again"
 CRC = re.compile(r"[0-9a-f]{8}")
@@ -69,8 +69,13 @@ def _number(v: Any) -> Any:
     return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
 
 
+def is_file_name(v: Any) -> bool:
+    """A file name with no directory part: all a checkpoint's records may give."""
+    return isinstance(v, str) and v not in ("", ".", "..") and not any(c in v for c in "/\\\0")
+
+
 def _plain_name(v: Any, name: str) -> str:
-    if not isinstance(v, str) or v in ("", ".", "..") or "/" in v or "\\" in v or "\0" in v:
+    if not is_file_name(v):
         raise _type_error(name, "the name of a file in the checkpoint's directory", v)
     return v
 

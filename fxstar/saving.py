@@ -8,12 +8,26 @@ A checkpoint is a directory:
                           tensors that share memory
     training.safetensors  every tensor of the training state (optimizer moments, RNG states)
     training.json         the training state's structure, with {"__tensor__": key} where a
-                          tensor of training.safetensors goes; step, scheduler and RNG state;
-                          under "files", each safetensors file's size and CRC-32 (and each of
-                          its tensors'), checked before the file is read: a flipped bit or a
-                          truncated file is a CheckpointError naming it (and the tensors that
-                          differ), never a weight of 5e36. Format 1 (no checksums) still loads,
-                          with a warning. A file name it gives must lie in the directory.
+                          tensor of training.safetensors goes; step, scheduler and RNG state
+    manifest.json         every other file's size and CRC-32 (a safetensors file's tensors'
+                          too), and a CRC-32 of its own canonical JSON; written last
+
+What is checked on reading (`load`, `engine.load`, and `fxstar.compile(..., weights=dir)` on a
+checkpoint directory or one of its files): the manifest against its own checksum, then every
+file against the manifest before it is read, so a flipped bit, a truncated or an edited file is
+a CheckpointError naming it (and the tensors that differ), never a weight of 5e36 or a learning
+rate one bit off. Then every value: training.json's fields and the training state are checked
+as a Plan's options are (fxstar/checkpoint_values.py: lr, betas, eps, weight decay, the step
+counts, the loss scaler's fields, the RNG states, the file names, which must be files of the
+directory), and against the engine (the moments' shapes, the parameter counts, the saved-along
+objects) before anything is restored; a refusal names the field and leaves the engine as it
+was. JSON that is not JSON, nested past what the decoder recurses into, or of the wrong types
+is a CheckpointError naming the file. Not checked: the values of the tensors (a moment of the
+right shape holding NaN loads as it was saved), and what objects given to
+`engine.register_state` receive (their own `load_state_dict` judges it). A checksum tells
+damage from a whole file; it is no signature: whoever can write the directory can write a
+consistent checkpoint. Format 2 (checksums of the safetensors files in training.json, none of
+training.json) and format 1 (none) still load, with a warning.
 
 The training state is `engine.training_state()`: the step count, the RNG states (torch CPU,
 every CUDA device, Python's and NumPy's), `engine.optimizer.state_dict()`, the names of the
@@ -22,13 +36,24 @@ changed), and the state of everything the engine saves along: its loss scaler (f
 `engine.scaler`) under "loss_scaler", a scheduler given to `engine.attach_scheduler`, objects
 given to `engine.register_state`.
 
-`save` writes into `<dir>.tmp-<host>-<pid>-XXXX` next to the target, moves the old `<dir>` aside
-to `<dir>.old-<host>-<pid>-XXXX`, renames the new one into place and deletes the old: a crash at
-any point leaves the previous checkpoint whole, and `load` finds it under `.old-` if it was
-caught between the two renames. The renames hold an flock on the parent directory, so two
-processes saving one path each leave a whole checkpoint (the last wins); a save first deletes
-the `.tmp-` directories of killed saves (same host, pid gone). Siblings are matched by exact
-name, never by a glob: a name with `*`, `?` or `[` only ever touches its own.
+A save never deletes what fxstar did not write. The target may be absent, an empty directory,
+or an fxstar checkpoint (a manifest or training.json of this format) holding only the files it
+names; anything else (a directory of other files, a checkpoint with a file of the user's in
+it, a file) is refused with a CheckpointError naming it, before anything is written, as is the
+working directory or one holding it (`save(".")`). A symbolic link is followed: the checkpoint
+it points to is replaced and the link kept (`latest -> run-100` writes run-100).
+
+`save` writes into `<dir>.tmp-<host>-<pid>-XXXX/<dir>` next to the target, moves the old `<dir>`
+into `<dir>.old-<host>-<pid>-XXXX/<dir>`, renames the new one into place and deletes the old: a
+crash at any point leaves the previous checkpoint whole, and `load` finds it under `.old-` if
+it was caught between the two renames. Each scratch directory holds a marker fxstar writes
+when it makes it (the format, which path it is for, host and pid): only a directory with that
+marker is ever taken for a leftover, so a user's `run.old-v1` beside `run` is neither deleted
+nor loaded (nor are markerless leftovers of older fxstar versions). The renames hold an flock
+on the parent directory, so two processes saving one path each leave a whole checkpoint (the
+last wins); a save first deletes the `.tmp-` directories of killed saves (same host, pid
+gone). Siblings are matched by exact name prefix, never by a glob: a name with `*`, `?` or `[`
+only ever touches its own.
 
 Under tensor parallelism (`plan.tensor_parallel`, a process group) every rank calls `save`:
 the parameters are gathered from the shards and every rank's training state (its RNG, its
@@ -47,7 +72,8 @@ scratch directory rank 0 made: its training state (the moments of its own chunks
 rank 0's is training.safetensors, rank r's training.rank<r>.safetensors) and, with sharded
 payloads, its own chunks' parameters (model.rank<r>.safetensors, rank 0's with the buffers;
 training.json's "parameters" lists the files); replicated, rank 0 writes model.safetensors.
-Rank 0 gathers only the records (skeletons, checksums), writes training.json and swaps the
+Rank 0 checks the target as a one-process save does, before any rank writes; it gathers only
+the records (skeletons, checksums), writes training.json and the manifest and swaps the
 directory in; no rank's tensors pass through another. training.json says "data_parallel": N.
 Loading consolidates: the optimizer states of all ranks are joined into one
 (`fxstar.load` returns that), and each rank of any number of data-parallel ranks, or one
@@ -85,7 +111,14 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from fxstar.checkpoint_values import check_fits, check_meta, check_records, check_state, named
+from fxstar.checkpoint_values import (
+    check_fits,
+    check_meta,
+    check_records,
+    check_state,
+    is_file_name,
+    named,
+)
 from fxstar.errors import CheckpointError
 from fxstar.mesh import DP_GROUP, MESH_GROUP
 from fxstar.passes.tensor_parallel import GROUP_KEY
@@ -688,10 +721,7 @@ def _own_files(directory: Path) -> set[str] | None:
 
 def _named_files(data: Mapping[str, Any]) -> Iterator[str]:
     """Every plain file name a manifest or training.json gives (any structure tolerated)."""
-    names: list[Any] = []
-    for key in ("files",):
-        if isinstance(data.get(key), dict):
-            names += list(data[key])
+    names: list[Any] = list(data["files"]) if isinstance(data.get("files"), dict) else []
     names.append(data.get("tensors"))
     parameters = data.get("parameters")
     if isinstance(parameters, dict):
@@ -701,15 +731,7 @@ def _named_files(data: Mapping[str, Any]) -> Iterator[str]:
     rank_states = data.get("rank_states")
     if isinstance(rank_states, dict):
         names += [e.get("tensors") for e in rank_states.values() if isinstance(e, dict)]
-    for name in names:
-        if _plain_name(name):
-            yield name
-
-
-def _plain_name(name: Any) -> bool:
-    """A file name with no directory part: all a checkpoint's records may give."""
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name \
-        and "\0" not in name and os.sep not in name  # fmt: skip
+    yield from (name for name in names if is_file_name(name))
 
 
 def _swap_in(scratch: Path, target: Path) -> Path:
@@ -1263,7 +1285,7 @@ def _meta(directory: Path) -> dict[str, Any]:
 def _member(directory: Path, name: Any) -> Path:
     """The file `name` (from training.json) of the checkpoint, refused unless it lies in the
     directory: an edited training.json must not make load read `../x` or `/etc/...`."""
-    path = directory / name if _plain_name(name) else None
+    path = directory / name if is_file_name(name) else None
     if path is None or path.resolve().parent != directory.resolve():
         raise CheckpointError(
             f"{directory / STATE} names {name!r} as one of its files, which is not a file in "

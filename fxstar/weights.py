@@ -4,11 +4,14 @@ A model built on the meta device has no storage; the engine gives each parameter
 into a host chunk) and this module fills the homes, so the host never holds the model twice:
 
 - `WeightSource` opens safetensors weights: one file, a transformers checkpoint directory
-  (`model.safetensors`, or shards named by `model.safetensors.index.json`), or a directory of
-  `*.safetensors` files. It parses the headers itself and reads each tensor with `readinto`
-  straight into its destination: no mmap (whose touched pages would count against the process
-  until the file is closed), no whole-file load, and no temporary at all when the destination
-  is a contiguous CPU tensor of the file's dtype. A cast (fp32 file, bf16 home) goes through a
+  (`model.safetensors`, or shards named by `model.safetensors.index.json`; a Hugging Face hub
+  cache snapshot, whose names link into the repository's `blobs/`, too), an fxstar checkpoint
+  (its parameter files, verified against its checksums first), or a directory of
+  `*.safetensors` files. An index may name files of its directory only. It parses the headers
+  itself and reads each tensor with `readinto` straight into its destination: no mmap (whose
+  touched pages would count against the process until the file is closed), no whole-file
+  load, and no temporary at all when the destination is a contiguous CPU tensor of the file's
+  dtype. A cast (fp32 file, bf16 home) goes through a
   bounded scratch buffer.
 - `materialize(destinations, source)` checks every name and shape first (one error lists every
   problem, before minutes of reading), then reads each tensor once.
