@@ -11,13 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxstar.passes import ensure_fresh
-from fxstar.passes.chunk_layout import (
-    BudgetNeed,
-    budget_need,
-    layout_needs,
-    nonmodel_peak,
-    smallest_need,
-)
+from fxstar.passes.chunk_layout import BudgetNeed, LayoutSearch, budget_need, nonmodel_peak
 from fxstar.program import Program
 from fxstar.sizes import format_size
 
@@ -95,6 +89,6 @@ def estimate(program: Program) -> Estimate:
         need = budget_need(program.plan, decided.chunk_plan.access, decided.chunk_layout)
     if need is None:
         ensure_fresh(program, "shape_memory")
-        need = smallest_need(layout_needs(program))
+        need = LayoutSearch(program).smallest()
     return Estimate(nonmodel_peak(program), program.param_bytes, need.device_memory,
                     need.chunk_size, need)  # fmt: skip

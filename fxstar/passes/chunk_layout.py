@@ -17,8 +17,10 @@ least budget any size fits is the plan's smallest device_memory: errors print it
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -228,25 +230,66 @@ def make_layout(params: Sequence[ParamInfo], chunk_size: int) -> ChunkLayout:
     return ChunkLayout(chunk_size, params[0].dtype, specs)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One distinct first-fit packing at the least chunk size that makes it, described by the
+    figures the search ranks it by; the layout itself is built only for the few it judges."""
+
+    chunk_size: int  # elements
+    chunks: int
+    wasted_bytes: int
+
+
+class Packings:
+    """First-fit packings of `params` at any chunk size, computed from running sums: a chunk
+    ends where the sum passes the size (a bisection), so a packing costs its chunk count, not
+    the parameter count, and all of a deep model's candidates stay cheap to list."""
+
+    def __init__(self, params: Sequence[ParamInfo]):
+        self.params = params
+        self.itemsize = params[0].dtype.itemsize
+        # trainable and frozen parameters fill separate chunks: one stream of each kind
+        self.streams: list[tuple[list[int], list[int]]] = []  # (param indices, running sums)
+        for kind in (True, False):
+            indices = [i for i, p in enumerate(params) if p.requires_grad is kind]
+            if indices:
+                sums = [0]
+                for i in indices:
+                    sums.append(sums[-1] + params[i].numel)
+                self.streams.append((indices, sums))
+
+    def chunks(self, size: int) -> list[tuple[int, int, int]]:
+        """pack(params, size) as (index of its first parameter, used elements, the first
+        parameter's numel of the stream's next chunk or None), in chunk order."""
+        out = []
+        for indices, sums in self.streams:
+            start, count = 0, len(indices)
+            while start < count:
+                end = bisect.bisect_right(sums, sums[start] + size, start + 1) - 1
+                following = self.params[indices[end]].numel if end < count else None
+                out.append((indices[start], sums[end] - sums[start], following))
+                start = end
+        out.sort()
+        return out
+
+    def candidates(self) -> Iterator[Candidate]:
+        """Every distinct first-fit packing, each at the least chunk size that makes it, in
+        increasing size: any size in between packs the same way with more room unused, so no
+        other size can do better. A packing changes only where a parameter that started a
+        chunk would fit the one before."""
+        size: int | None = max(p.numel for p in self.params)
+        while size is not None:
+            tight = max(used for _, used, _ in self.chunks(size))
+            chunks = self.chunks(tight)
+            used = sum(u for _, u, _ in chunks)
+            yield Candidate(tight, len(chunks), (len(chunks) * tight - used) * self.itemsize)
+            size = min((u + following for _, u, following in chunks if following is not None),
+                       default=None)  # fmt: skip
+
+
 def candidate_layouts(params: Sequence[ParamInfo]) -> list[ChunkLayout]:
-    """Every distinct first-fit packing, each at the least chunk size that makes it: any size
-    in between packs the same way with more room unused, so no other size can do better. A
-    packing changes only where a parameter that started a chunk would fit the one before."""
-    layouts = []
-    size: int | None = max(p.numel for p in params)
-    while size is not None:
-        tight = max(sum(p.numel for p, _ in chunk) for chunk in pack(params, size))
-        layout = make_layout(params, tight)
-        layouts.append(layout)
-        last: dict[bool, ChunkSpec] = {}  # the previous chunk of each kind (trainable, frozen)
-        grows = []
-        for spec in layout.chunks:
-            before = last.get(spec.params[0].requires_grad)
-            if before is not None:
-                grows.append(before.used + spec.params[0].numel)
-            last[spec.params[0].requires_grad] = spec
-        size = min(grows, default=None)
-    return layouts
+    """The layout of every candidate packing (Packings.candidates), in increasing size."""
+    return [make_layout(params, c.chunk_size) for c in Packings(params).candidates()]
 
 
 def keep_bytes_per_element(program: Program, itemsize: int) -> int | None:
@@ -282,20 +325,96 @@ def chunked_params(program: Program) -> list[ParamInfo]:
     return params
 
 
-def layout_needs(program: Program) -> list[tuple[ChunkLayout, BudgetNeed]]:
-    """Each layout the plan allows (the given chunk_size, or every candidate of 'auto') with
-    the least budget its access plan fits. Needs the graph before chunk_schedule rewrites it."""
-    from fxstar.passes.chunk_schedule import AccessForecast  # it imports this module
+class LayoutSearch:
+    """The chunk-size search over the candidate packings (the given chunk_size, or every
+    candidate of 'auto'), judged by the access plans chunk_schedule would make. A layout's
+    least budget is never below its lower bound: `load_unit` chunks (one load) beside the most
+    bytes besides chunks that every layout's plan has at an access (AccessForecast.floor). The
+    bound grows with the chunk size, and candidates come in increasing size, so the search
+    stops at the first candidate whose bound cannot beat what it has: a deep model's hundreds
+    of candidates cost a handful of forecasts. Needs the graph before chunk_schedule rewrites
+    it."""
 
-    params = chunked_params(program)
-    size = program.plan.chunk_size
-    layouts = candidate_layouts(params) if size == "auto" else [make_layout(params, size)]
-    forecast = AccessForecast(program)
-    return [(lay, budget_need(program.plan, forecast.plan(lay), lay)) for lay in layouts]
+    def __init__(self, program: Program):
+        from fxstar.passes.chunk_schedule import AccessForecast  # it imports this module
 
+        self.program, self.plan = program, program.plan
+        self.params = chunked_params(program)
+        size = self.plan.chunk_size
+        if size == "auto":
+            self.candidates = list(Packings(self.params).candidates())
+        else:
+            layout = make_layout(self.params, size)
+            self.candidates = [Candidate(size, len(layout.chunks), layout.wasted_bytes)]
+        self.forecast = AccessForecast(self.program)
+        self.floor = self.forecast.floor()
+        self._judged: dict[int, tuple[ChunkLayout, BudgetNeed]] = {}  # by chunk size
 
-def smallest_need(needs: list[tuple[ChunkLayout, BudgetNeed]]) -> BudgetNeed:
-    return min((need for _, need in needs), key=lambda n: (n.device_memory, n.chunk_size))
+    def judge(self, candidate: Candidate) -> tuple[ChunkLayout, BudgetNeed]:
+        """The candidate's layout and the least budget its access plan fits."""
+        if candidate.chunk_size not in self._judged:
+            layout = make_layout(self.params, candidate.chunk_size)
+            need = budget_need(self.plan, self.forecast.plan(layout), layout)
+            self._judged[candidate.chunk_size] = layout, need
+        return self._judged[candidate.chunk_size]
+
+    def lower_bound(self, candidate: Candidate) -> int:
+        if self.floor is None:  # no access is certain: a layout may need nothing
+            return 0
+        chunk_bytes = candidate.chunk_size * self.params[0].dtype.itemsize
+        return smallest_budget(self.plan, load_unit(self.plan) * chunk_bytes, self.floor)
+
+    def smallest(self) -> BudgetNeed:
+        """The least budget of any candidate (the smaller chunk size among equals)."""
+        best: BudgetNeed | None = None
+        for candidate in self.candidates:
+            if best is not None and self.lower_bound(candidate) >= best.device_memory:
+                break  # it and every larger candidate need at least as much, at a larger size
+            _, need = self.judge(candidate)
+            if best is None or (need.device_memory, need.chunk_size) < (
+                best.device_memory, best.chunk_size
+            ):  # fmt: skip
+                best = need
+        assert best is not None  # chunked_params refuses a model without parameters
+        return best
+
+    def least_waste(self) -> ChunkLayout:
+        """Without a budget every chunk stays resident: the least unused space wins."""
+        best = min(self.candidates, key=lambda c: (c.wasted_bytes, c.chunks, c.chunk_size))
+        return make_layout(self.params, best.chunk_size)
+
+    def choose(self, budget: int) -> ChunkLayout:
+        """Among the layouts that fit `budget`: first those with room for one more chunk at
+        their busiest moment (prefetch), then, with HybridAdam's device half, those of which
+        the margin left (times margin_use_ratio) keeps at least one chunk, then the least
+        unused space. Judged in the order of the unused space, so the first that has both
+        kinds of room ends the search."""
+        plan = self.plan
+        keep_bytes = keep_bytes_per_element(self.program, self.params[0].dtype.itemsize)
+        best_possible = (False, keep_bytes is None)
+        bounded = itertools.takewhile(lambda c: self.lower_bound(c) <= budget, self.candidates)
+        best, best_key = None, None
+        for candidate in sorted(bounded, key=lambda c: (c.wasted_bytes, c.chunks, c.chunk_size)):
+            layout, need = self.judge(candidate)
+            if need.device_memory > budget:
+                continue
+            more = (need.chunks_at_once + 1) * layout.chunk_bytes
+            roomy = smallest_budget(plan, more, need.activations) <= budget
+            margin = plan.margin_use_ratio * (budget - need.device_memory)
+            keepable = keep_bytes is not None and margin >= layout.chunk_size * keep_bytes
+            key = (not roomy, not keepable, layout.wasted_bytes, len(layout.chunks),
+                   layout.chunk_size)  # fmt: skip
+            if best_key is None or key < best_key:
+                best, best_key = layout, key
+            if key[:2] == best_possible:
+                break  # every later candidate wastes more (or as much in more chunks)
+        if best is None:
+            smallest = self.smallest()
+            raise ChunkLayoutError(
+                f"no chunk size fits device_memory {shown_budget(plan, budget)}: "
+                f"{smallest.describe()}. {smallest.remedy()}, or tile the largest linears."
+            )
+        return best
 
 
 def auto_budget(program: Program, smallest: BudgetNeed) -> int:
@@ -308,48 +427,19 @@ def auto_budget(program: Program, smallest: BudgetNeed) -> int:
     return smallest.device_memory
 
 
-def choose(
-    program: Program, needs: list[tuple[ChunkLayout, BudgetNeed]], budget: int
-) -> ChunkLayout:
-    """Among the layouts that fit `budget`: first those with room for one more chunk at their
-    busiest moment (prefetch), then, with HybridAdam's device half, those of which the margin
-    left (times margin_use_ratio) keeps at least one chunk, then the least unused space."""
-    plan = program.plan
-    keep_bytes = keep_bytes_per_element(program, needs[0][0].dtype.itemsize)
-    best, best_key = None, None
-    for layout, need in needs:
-        if need.device_memory > budget:
-            continue
-        more = (need.chunks_at_once + 1) * layout.chunk_bytes
-        roomy = smallest_budget(plan, more, need.activations) <= budget
-        margin = plan.margin_use_ratio * (budget - need.device_memory)
-        keepable = keep_bytes is not None and margin >= layout.chunk_size * keep_bytes
-        key = (not roomy, not keepable, layout.wasted_bytes, len(layout.chunks), layout.chunk_size)
-        if best_key is None or key < best_key:
-            best, best_key = layout, key
-    if best is None:
-        smallest = smallest_need(needs)
-        raise ChunkLayoutError(
-            f"no chunk size fits device_memory {shown_budget(plan, budget)}: "
-            f"{smallest.describe()}. {smallest.remedy()}, or tile the largest linears."
-        )
-    return best
-
-
 def plan_layout(program: Program) -> ChunkLayout:
     """The layout, and for device_memory='auto' the engine's budget (Program.shared); the
     smallest budget this plan works with goes to program.decisions.budget_need."""
     plan = program.plan
-    needs = layout_needs(program)
-    smallest = program.decisions.budget_need = smallest_need(needs)
+    search = LayoutSearch(program)
+    smallest = program.decisions.budget_need = search.smallest()
     if plan.device_memory is None:  # no budget: every chunk stays resident, least waste wins
-        return min((layout for layout, _ in needs),
-                   key=lambda lay: (lay.wasted_bytes, len(lay.chunks), lay.chunk_size))  # fmt: skip
+        return search.least_waste()
     if plan.device_memory == "auto":
         program.shared[BUDGET_KEY] = auto_budget(program, smallest)
     if plan.chunk_size != "auto":
-        return needs[0][0]  # chunk_schedule checks it against the budget, with the numbers
-    return choose(program, needs, budget_bytes(program))
+        return search.judge(search.candidates[0])[0]  # chunk_schedule checks it, with numbers
+    return search.choose(budget_bytes(program))
 
 
 @register

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -42,7 +43,7 @@ from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
 from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
-from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan, ParamSlot
 
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
 
@@ -92,6 +93,37 @@ def alias_end(user: fx.Node, of: fx.Node, pos: dict[fx.Node, int]) -> int:
     return end
 
 
+@dataclass(frozen=True)
+class Use:
+    """A node that reads a parameter placeholder, and how long the read lasts through aliases."""
+
+    name: str  # the parameter
+    start: int  # the user's position
+    end: int  # alias_end: the last position reading it or an alias of it
+    user: fx.Node
+    placeholder: fx.Node
+
+
+def param_uses(
+    params: dict[fx.Node, str], pos: dict[fx.Node, int], skip: set[fx.Node] = frozenset()
+) -> list[Use]:
+    """Every read of the parameter placeholders `params` (node -> parameter name) of one graph
+    whose nodes are numbered by `pos`; users in `skip` do not count (region calls, which fetch
+    their own). They do not depend on the layout: the chunk-size search finds them once."""
+    out = []
+    for node, name in params.items():
+        for user in node.users:
+            if user in skip:
+                continue
+            if user.op == "output":
+                raise ChunkScheduleError(
+                    f"the model returns parameter {name} itself; chunked parameters "
+                    "can only be read by the graph"
+                )
+            out.append(Use(name, pos[user], alias_end(user, node, pos), user, node))
+    return out
+
+
 def segments(
     params: dict[fx.Node, str],
     layout: ChunkLayout,
@@ -101,20 +133,15 @@ def segments(
     """Where each chunk must be fetched, for the parameter placeholders `params` (node ->
     parameter name) of one graph whose nodes are numbered by `pos`; users in `skip` do not
     count (region calls, which fetch their own)."""
-    slots = layout.slots()
-    uses: dict[int, list[tuple[int, int, fx.Node, fx.Node]]] = {}
-    for node, name in params.items():
-        chunk = slots[name].chunk
-        for user in node.users:
-            if user in skip:
-                continue
-            if user.op == "output":
-                raise ChunkScheduleError(
-                    f"the model returns parameter {name} itself; chunked parameters "
-                    "can only be read by the graph"
-                )
-            uses.setdefault(chunk, []).append((pos[user], alias_end(user, node, pos), user, node))
-    starts = {chunk: sorted(u[0] for u in items) for chunk, items in uses.items()}
+    return segments_of(param_uses(params, pos, skip), layout.slots())
+
+
+def segments_of(uses: list[Use], slots: dict[str, ParamSlot]) -> list[Segment]:
+    """The segments of `uses` when each parameter lives in its slot's chunk."""
+    by_chunk: dict[int, list[Use]] = {}
+    for use in uses:
+        by_chunk.setdefault(slots[use.name].chunk, []).append(use)
+    starts = {chunk: sorted(u.start for u in items) for chunk, items in by_chunk.items()}
 
     def busy_between(chunk: int, a: int, b: int) -> int:
         """How many other chunks are read strictly between positions a and b."""
@@ -124,17 +151,18 @@ def segments(
         )  # fmt: skip
 
     out = []
-    for chunk, items in uses.items():
-        items.sort(key=lambda u: u[0])
+    for chunk, items in by_chunk.items():
+        items.sort(key=lambda u: u.start)
         current: Segment | None = None
-        for start, end, user, placeholder in items:
+        for use in items:
             if current is None or (
-                start > current.end and busy_between(chunk, current.end, start) >= SPLIT_AFTER
+                use.start > current.end
+                and busy_between(chunk, current.end, use.start) >= SPLIT_AFTER
             ):
-                current = Segment(chunk, start, end)
+                current = Segment(chunk, use.start, use.end)
                 out.append(current)
-            current.end = max(current.end, end)
-            current.users.append((user, placeholder))
+            current.end = max(current.end, use.end)
+            current.users.append((use.user, use.placeholder))
     return sorted(out, key=lambda s: (s.start, s.chunk))
 
 
@@ -312,9 +340,11 @@ def check_budget(plan: AccessPlan, layout: ChunkLayout, program: Program) -> Non
 
 class AccessForecast:
     """The access plan this pass would make for a layout, without rewriting anything: the
-    chunk-size search asks it about every candidate layout. It follows rewrite() and
-    access_plan() step for step (tests hold the two equal); prepared once per program, each
-    plan(layout) costs a segments() per graph."""
+    chunk-size search asks it about candidate layouts. It follows rewrite() and access_plan()
+    step for step (tests hold the two equal). Everything that does not depend on the layout
+    (the parameters' reads and how long their aliases last, the nodes that saved parameters,
+    the bytes besides chunks) is found once per program; plan(layout) then costs the
+    parameter reads and the accesses, not the graph's nodes."""
 
     def __init__(self, program: Program):
         gm = program.graph_module
@@ -326,10 +356,9 @@ class AccessForecast:
         output = graph.graph_copy(gm.graph, env)
         graph.output(output)
         self.nodes = list(graph.nodes)
-        self.pos = {n: i for i, n in enumerate(self.nodes)}
-        self.params = {env[n]: name for n, name in top.items()}
+        pos = {n: i for i, n in enumerate(self.nodes)}
         self.estimate = nonmodel_estimate(self.nodes)
-        self.regions: dict[fx.Node, tuple[dict[fx.Node, str], list[fx.Node]]] = {}
+        self.region_uses: dict[int, list[Use]] = {}  # by the call's position
         for call, region in region_calls(gm):
             first, args = region_inputs(call)
             placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
@@ -339,58 +368,74 @@ class AccessForecast:
             copy.args = (*copy.args[:first],
                          *(env[a] if isinstance(a, fx.Node) else a for a in args
                            if not (isinstance(a, fx.Node) and a in top)))  # fmt: skip
-            self.regions[copy] = (inner, list(region.graph.nodes))
+            self.region_uses[pos[copy]] = param_uses(inner, _positions(region.graph))
+        self.uses = param_uses({env[n]: name for n, name in top.items()}, pos)
+        # backward, last node first: a region's recomputation, or a node's saved parameters
+        self.backward: list[tuple[int, tuple[str, ...]]] = []
+        for i in reversed(range(len(self.nodes))):
+            mem = self.nodes[i].meta.get(META_KEY)
+            if i in self.region_uses or (mem is not None and mem.saved_params):
+                self.backward.append((i, () if i in self.region_uses else mem.saved_params))
+
+    def floor(self) -> int | None:
+        """The most bytes besides chunks at an access the plan of every layout makes, with at
+        least one chunk pinned: a node's unpack of the parameters it saved, a region's fetch
+        (forward and recomputation), the fetch before the first read of a parameter. None
+        when no access is certain. The search's lower bound on a layout's least budget."""
+        certain = [self.estimate[self.nodes[i]] for i, names in self.backward if names]
+        certain += [self.estimate[self.nodes[i]] for i, uses in self.region_uses.items() if uses]
+        if self.uses:
+            certain.append(self.estimate[self.nodes[min(u.start for u in self.uses)]])
+        return max(certain, default=None)
 
     def plan(self, layout: ChunkLayout) -> AccessPlan:
         plan = AccessPlan([], [], [], [])
         slots = layout.slots()
-        regions = {call: _events(segments(params, layout, {n: i for i, n in enumerate(nodes)}),
-                                 len(nodes))
-                   for call, (params, nodes) in self.regions.items()}  # fmt: skip
+        regions = {i: _events(segments_of(uses, slots))
+                   for i, uses in self.region_uses.items()}  # fmt: skip
 
         def fetches(events, phase: str, nonmodel: int | None, outer: set[int]) -> None:
             """As access_plan's: a region's fetches inline where it is called; in a
             recomputation nothing is released until the region's backward is done."""
             open_chunks = set(outer)
-            for kind, chunk, i in events:
-                node = self.nodes[i] if nonmodel is None else None
-                if kind == "fetch":
+            for i, kind, chunk in events:
+                if kind == FETCH:
                     open_chunks.add(chunk)
-                    plan.add(chunk, phase, nonmodel if node is None else self.estimate[node],
+                    plan.add(chunk, phase,
+                             self.estimate[self.nodes[i]] if nonmodel is None else nonmodel,
                              open_chunks, self.load_unit)  # fmt: skip
-                elif kind == "release" and phase == "forward":
-                    open_chunks.discard(chunk)
-                elif node in regions:
-                    fetches(regions[node], phase, self.estimate[node], open_chunks)
+                elif kind == RELEASE:
+                    if phase == "forward":
+                        open_chunks.discard(chunk)
+                elif nonmodel is None and i in regions:  # a region call of the top graph
+                    node = self.nodes[i]
+                    fetches(regions[i], phase, self.estimate[node], open_chunks)
 
-        fetches(_events(segments(self.params, layout, self.pos), len(self.nodes)), "forward",
-                None, set())  # fmt: skip
-        for node in reversed(self.nodes):  # backward, last node first
-            if node in regions:
-                fetches(regions[node], "backward", self.estimate[node], set())
+        top = _events(segments_of(self.uses, slots), self.region_uses)
+        fetches(top, "forward", None, set())
+        for i, names in self.backward:  # backward, last node first
+            if i in regions:
+                fetches(regions[i], "backward", self.estimate[self.nodes[i]], set())
                 continue
-            mem = node.meta.get(META_KEY)
-            needed = [slots[n].chunk for n in mem.saved_params] if mem is not None else []
+            needed = [slots[n].chunk for n in names]
             for chunk in needed:
-                plan.add(chunk, "backward", self.estimate[node], set(needed), self.load_unit)
+                plan.add(chunk, "backward", self.estimate[self.nodes[i]], set(needed),
+                         self.load_unit)  # fmt: skip
         return plan
 
 
-def _events(segs: list[Segment], count: int) -> list[tuple[str, int | None, int]]:
-    """(kind, chunk, node position) in the order insert_fetches leaves them in a graph of
-    `count` nodes: a segment's fetch just before its first node (segments in order), its
-    release just after its last node (later segments' releases first)."""
-    before: list[list[int]] = [[] for _ in range(count)]
-    after: list[list[int]] = [[] for _ in range(count)]
-    for seg in segs:
-        before[seg.start].append(seg.chunk)
-        after[seg.end].insert(0, seg.chunk)
-    out: list[tuple[str, int | None, int]] = []
-    for i in range(count):
-        out += [("fetch", c, i) for c in before[i]]
-        out.append(("node", None, i))
-        out += [("release", c, i) for c in after[i]]
-    return out
+FETCH, CALL, RELEASE = 0, 1, 2  # the order of a node's events: fetches, the node, releases
+
+
+def _events(segs: list[Segment], calls: Collection[int] = ()) -> list[tuple[int, int, int]]:
+    """(node position, kind, chunk) in the order insert_fetches leaves them in a graph: a
+    segment's fetch just before its first node (segments in order), its release just after its
+    last node (later segments' releases first); the region calls at `calls` in between."""
+    keyed = [(seg.start, FETCH, n, seg.chunk) for n, seg in enumerate(segs)]
+    keyed += [(seg.end, RELEASE, -n, seg.chunk) for n, seg in enumerate(segs)]
+    keyed += [(i, CALL, 0, -1) for i in calls]
+    keyed.sort()
+    return [(i, kind, chunk) for i, kind, _, chunk in keyed]
 
 
 @register
