@@ -163,8 +163,12 @@ class _Rewrite:
             self.nodes[name].meta["val"] = _local_val(old_vals[name], dim, self.n)
         for name in s.seq_nodes:
             self.nodes[name].meta["val"] = _local_val(old_vals[name], -2, self.n)
+        for name, dim in s.split_params.items():
+            self._split_param(name, dim)
         for site in s.sites:
             self._replace_site(site)
+        for name, how in s.reduced.items():
+            self._all_reduce(name, how)
         if s.vocab is not None:
             self._vocab(s.vocab)
         self._boundaries(s.scatters, tp.scatter_to_seq, "scatter")
@@ -193,6 +197,40 @@ class _Rewrite:
         info.placeholders = tuple(new.name if p == old.name else p for p in info.placeholders)
         info.shape = tuple(new.meta["val"].shape)
         return new
+
+    def _split_param(self, name: str, dim: int) -> None:
+        """A parameter read by split work outside a linear (a norm weight over a sharded
+        projection, Mamba's A_log): this rank's slice fed in its place."""
+        old = self.nodes[name]
+        new = self._shard_param(name, self.program.placeholder_kinds()[name].target, dim, 1)
+        old.replace_all_uses_with(new)
+        self.program.remove_input(old)
+        self.nodes[name] = new
+
+    def _all_reduce(self, name: str, how: str) -> None:
+        """A sum or mean over the split dim: each rank's partial, all-reduced (a mean of
+        equal parts is the mean of the ranks' means). Its backward is the identity: readers
+        split by rank sum their gradients at their grad_reduce edges, replicated readers
+        hand every rank the whole gradient."""
+        node = self.nodes[name]
+        kwargs = {"mem_saving": self.mem_saving, "group": self.group_node}
+        with self.graph.inserting_after(node):
+            total = self.graph.create_node(
+                "call_function", tp.all_reduce_forward, (node,), kwargs, name=f"all_reduce_{name}"
+            )
+        last = total
+        if how == "mean":
+            with self.graph.inserting_after(total):
+                last = self.graph.create_node(
+                    "call_function", torch.ops.aten.div.Tensor, (total, self.n),
+                    name=f"mean_of_{name}",
+                )  # fmt: skip
+        for new in {total, last}:
+            new.meta["val"] = self.full_vals[name]
+            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        note(total, "tp", f"all-reduce({how})")
+        node.replace_all_uses_with(last, delete_user_cb=lambda user: user is not total)
+        self.nodes[name] = last  # edges name the reduction: they mean its all-reduced value
 
     def _replace_site(self, site: LinearSite) -> None:
         column = site.style == "column"

@@ -7,6 +7,13 @@ what would need a collective or would mix ranks' data. This is DTensor's op stra
 down to the one placement tensor parallel carries; `tp_sharding` walks the graph applying
 them and records what they decide, and `tensor_parallel` only follows the record. A new op is
 a function of a `Call` returning `Carried`, registered with `_rule(name, *aten op names)`.
+
+Two answers beyond "split" and "refused": a reduction over the split dim returns a partial
+result each rank holds (`Carried.reduce`: the rewrite all-reduces it, the exact statistic of a
+norm over a whole sharded projection, as vLLM's sharded RMSNorm computes its variance); and a
+refusal may name unsplit operands that, split too, would let the op carry (`Refusal.needs`:
+a norm weight over the projection, a fresh buffer, a broadcast) -- `tp_demand` finds where
+such a split can start.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from fxstar.runtime import ops
 
 __all__ = [
     "ELEMENTWISE",
+    "FRESH",
+    "LIKE",
     "RULES",
     "UNARY",
     "VIEWS",
@@ -32,10 +41,12 @@ __all__ = [
     "Shard",
     "TPShardingError",
     "module_path",
+    "norm_dim",
     "op_name",
     "passive",
     "rule_for",
     "static_shape",
+    "view_dim",
 ]
 
 
@@ -60,6 +71,7 @@ class Carried:
 
     shard: Shard | None
     args: tuple | None = None
+    reduce: str | None = None  # 'sum' | 'mean': each rank holds a partial of the whole output
 
 
 # cpu_embedding's moves of ids and rows between tiers: a split passes through them as it is
@@ -67,7 +79,12 @@ HOST_MOVES = (ops.to_host, ops.to_compute)
 
 
 class Refusal(Exception):
-    """A rule cannot carry the split; the message says why, in a phrase."""
+    """A rule cannot carry the split; the message says why, in a phrase. `needs`: unsplit
+    operands that, split along the given dim of their own, would let the rule carry it."""
+
+    def __init__(self, why: str, needs: tuple[tuple[fx.Node, int], ...] = ()):
+        super().__init__(why)
+        self.needs = needs
 
 
 def op_name(node: fx.Node) -> str:
@@ -175,7 +192,7 @@ def rule_for(node: fx.Node) -> tuple[str, Rule | None]:
     return RULES.get(op, (op or str(node.target), None))
 
 
-def _dim(d: int, ndim: int) -> int:
+def norm_dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 
 
@@ -183,7 +200,7 @@ def _dims(given: Any, ndim: int) -> set[int]:
     """A dim argument (int, list, or None for all) as a set of non-negative dims."""
     if given is None or given == []:
         return set(range(ndim))
-    return {_dim(k, ndim) for k in (given if isinstance(given, list | tuple) else [given])}
+    return {norm_dim(k, ndim) for k in (given if isinstance(given, list | tuple) else [given])}
 
 
 # -- ops that keep every dim ----------------------------------------------------------------------
@@ -210,13 +227,20 @@ def _elementwise(c: Call) -> Carried:
     if len(placed) != 1:
         raise Refusal("combines tensors split on different dims or in different parts")
     ((dim, parts),) = placed
+    needs = []
     for m in c.node.all_input_nodes:
         shape = static_shape(m)
         if c.shard(m) is not None or shape is None:
             continue
         k = dim - (out_nd - len(shape))
         if k >= 0 and shape[k] != 1:
-            raise Refusal(f"combines it with unsplit {m.name} {list(shape)} along dim {dim}")
+            needs.append((m, k))
+    if needs:
+        m, _ = needs[0]
+        raise Refusal(
+            f"combines it with unsplit {m.name} {list(static_shape(m))} along dim {dim}",
+            tuple(needs) if parts == 1 else (),
+        )
     return Carried(Shard(dim, parts))
 
 
@@ -227,10 +251,27 @@ def _unary(c: Call) -> Carried:
     return Carried(c.shard(c.x))
 
 
+LIKE = frozenset(("zeros_like", "ones_like", "empty_like", "full_like"))
+FRESH = frozenset(("new_empty", "new_zeros", "new_ones", "new_full"))
+
+
+@_rule("like", *LIKE)
+def _like(c: Call) -> Carried:
+    """A fresh tensor of the input's shape: a rank's has the shape of its slice."""
+    return Carried(c.shard(c.x))
+
+
+@_rule("fresh", *FRESH)
+def _fresh(c: Call) -> Carried:
+    """A fresh tensor of the sizes given: the input gives only its dtype and device, so the
+    output is whole (a split demanded of it later starts here: tp_demand)."""
+    return Carried(None)
+
+
 # -- ops that move, add or drop dims --------------------------------------------------------------
 
 
-def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
+def view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
     """The dim of `dst` that carries `src`'s split `dim` through a view, or None when a rank's
     slice would not stay one contiguous block (the dim is not outermost in its group)."""
     i = j = 0
@@ -262,7 +303,7 @@ def _view(c: Call) -> Carried:
     [.., H, D]), whose per-rank size goes into the sizes; fused parts survive only a view that
     leaves their dim as it is."""
     src, dst, s = c.in_shape, c.out_shape, c.x_shard
-    e = _view_dim(src, dst, s.dim)
+    e = view_dim(src, dst, s.dim)
     if e is None:
         raise Refusal(f"the view {list(src)} -> {list(dst)} does not keep each rank's slice whole")
     if dst[e] % c.n:
@@ -276,24 +317,45 @@ def _view(c: Call) -> Carried:
     return Carried(Shard(e, s.parts), c.with_arg(1, sizes))
 
 
+@_rule("flatten", "flatten", "unflatten")
+def _flatten(c: Call) -> Carried:
+    """A view given by dims (flatten) or by the sizes of one dim (unflatten): the split moves
+    as through `view`; unflatten's sizes get the per-rank size."""
+    src, dst, s = c.in_shape, c.out_shape, c.x_shard
+    e = view_dim(src, dst, s.dim)
+    if e is None or dst[e] % c.n:
+        raise Refusal(f"the {op_name(c.node)} {list(src)} -> {list(dst)} does not keep each "
+                      f"rank's slice whole")  # fmt: skip
+    if dst[e] != src[s.dim]:
+        c.refuse_fused(s, f"the {op_name(c.node)} {list(src)} -> {list(dst)} reshapes the split")
+    if op_name(c.node) == "flatten":
+        return Carried(Shard(e, s.parts))
+    first = norm_dim(c.node.args[1], len(src))
+    sizes = list(c.node.args[2])
+    k = e - first
+    if 0 <= k < len(sizes) and sizes[k] != -1:
+        sizes[k] = dst[e] // c.n
+    return Carried(Shard(e, s.parts), c.with_arg(2, sizes))
+
+
 @_rule("transpose", "transpose", "swapaxes")
 def _transpose(c: Call) -> Carried:
     s, nd = c.x_shard, len(c.in_shape)
-    a, b = _dim(c.node.args[1], nd), _dim(c.node.args[2], nd)
+    a, b = norm_dim(c.node.args[1], nd), norm_dim(c.node.args[2], nd)
     return Carried(Shard(b if s.dim == a else a if s.dim == b else s.dim, s.parts))
 
 
 @_rule("permute", "permute")
 def _permute(c: Call) -> Carried:
     s, nd = c.x_shard, len(c.in_shape)
-    dims = [_dim(x, nd) for x in c.node.args[1]]
+    dims = [norm_dim(x, nd) for x in c.node.args[1]]
     return Carried(Shard(dims.index(s.dim), s.parts))
 
 
 @_rule("unsqueeze", "unsqueeze")
 def _unsqueeze(c: Call) -> Carried:
     s = c.x_shard
-    k = _dim(c.node.args[1], len(c.out_shape))
+    k = norm_dim(c.node.args[1], len(c.out_shape))
     return Carried(Shard(s.dim + (k <= s.dim), s.parts))
 
 
@@ -325,7 +387,7 @@ def _expand(c: Call) -> Carried:
 @_rule("select", "select")
 def _select(c: Call) -> Carried:
     s = c.x_shard
-    k = _dim(c.node.args[1], len(c.in_shape))
+    k = norm_dim(c.node.args[1], len(c.in_shape))
     if k == s.dim:
         raise Refusal(f"picks one index of the split dim {k}")
     return Carried(Shard(s.dim - (k < s.dim), s.parts))
@@ -336,7 +398,7 @@ def _slice(c: Call) -> Carried:
     """Another dim: the split passes. The split dim: a slice of all of it passes (end clamps
     to a rank's size), and a slice of exactly one fused part becomes that part."""
     s, shape = c.x_shard, c.in_shape
-    k = _dim(c.arg(1, "dim", 0), len(shape))
+    k = norm_dim(c.arg(1, "dim", 0), len(shape))
     if k != s.dim:
         return Carried(s)
     start, end, step = c.arg(2, "start", None), c.arg(3, "end", None), c.arg(4, "step", 1)
@@ -359,7 +421,7 @@ def _split(c: Call) -> Carried:
     """Another dim: every piece keeps the split. The split dim: only cutting a fused output
     into its parts, which each rank does on its slices with sizes divided by the ranks."""
     op, s, shape = op_name(c.node), c.x_shard, c.in_shape
-    k = _dim(c.arg(2 if op != "unbind" else 1, "dim", 0), len(shape))
+    k = norm_dim(c.arg(2 if op != "unbind" else 1, "dim", 0), len(shape))
     if k != s.dim:
         return Carried(Shard(s.dim - (op == "unbind" and k < s.dim), s.parts))
     if op == "unbind":
@@ -398,7 +460,7 @@ def _cat(c: Call) -> Carried:
     cats each step's keys/values to it, which in training is the keys/values themselves;
     an empty operand with the full split dim is left out of a rank's cat."""
     tensors, out_nd = c.node.args[0], len(c.out_shape)
-    k = _dim(c.arg(1, "dim", 0), out_nd)
+    k = norm_dim(c.arg(1, "dim", 0), out_nd)
     full = [t for t in tensors if not _empty(t)]
     unsplit = [t for t in full if c.shard(t) is None]
     if unsplit:
@@ -412,6 +474,51 @@ def _cat(c: Call) -> Carried:
         raise Refusal(f"concatenates along the split dim {k}")
     drop = any(len(static_shape(t)) == out_nd for t in tensors if _empty(t))
     return Carried(s, c.with_arg(0, list(full)) if drop else None)
+
+
+def _alike(c: Call, tensors: list[fx.Node], what: str) -> Shard:
+    """The one split every operand of a cat/stack has, or a refusal naming the unsplit ones
+    (which, split alike, would do)."""
+    shards = {c.shard(t) for t in tensors if c.shard(t) is not None}
+    if len(shards) != 1:
+        raise Refusal(f"{what} tensors split on different dims or in different parts")
+    (s,) = shards
+    unsplit = [t for t in tensors if c.shard(t) is None]
+    if unsplit:
+        t = unsplit[0]
+        needs = tuple((u, s.dim) for u in unsplit) if s.parts == 1 else ()
+        raise Refusal(f"{what} it with unsplit {t.name} {list(static_shape(t))}", needs)
+    return s
+
+
+@_rule("stack", "stack")
+def _stack(c: Call) -> Carried:
+    """Like cat along a new dim: every operand split alike; the split dim moves past the new
+    one when it is inserted before it (Cohere's interleaved rotary stacks the two halves)."""
+    tensors = list(c.node.args[0])
+    s = _alike(c, tensors, "stacks")
+    k = norm_dim(c.arg(1, "dim", 0), len(c.out_shape))
+    return Carried(Shard(s.dim + (k <= s.dim), s.parts))
+
+
+@_rule("copy_", "copy_", "copy")
+def _copy(c: Call) -> Carried:
+    """dst <- src (broadcast): both split alike along dst's split dim, or a src broadcast
+    along it (size 1, or fewer dims). DeepSeek's MLA writes k_nope and the shared k_rot into
+    slices of one fresh key tensor."""
+    dst, src = c.node.args[:2]
+    nd, snd = len(static_shape(dst)), len(static_shape(src))
+    sd, ss = c.shard(dst), c.shard(src)
+    if sd is None:
+        k = ss.dim + nd - snd
+        raise Refusal(f"writes it into unsplit {dst.name}", ((dst, k),) if ss.parts == 1 else ())
+    k = sd.dim - (nd - snd)
+    if ss is not None and ss != Shard(k, sd.parts):
+        raise Refusal(f"writes a tensor split on dim {ss.dim} into one split on dim {sd.dim}")
+    if ss is None and k >= 0 and static_shape(src)[k] != 1:
+        needs = ((src, k),) if sd.parts == 1 else ()
+        raise Refusal(f"writes unsplit {src.name} {list(static_shape(src))} into it", needs)
+    return Carried(sd)
 
 
 # -- ops that compute across dims -----------------------------------------------------------------
@@ -431,20 +538,53 @@ def _attention(c: Call) -> Carried:
     return Carried(Shard(heads))
 
 
+@_rule("conv", "conv1d", "conv2d", "conv3d")
+def _conv(c: Call) -> Carried:
+    """A grouped convolution over channels split across ranks: with the groups divisible by
+    the ranks each rank's channels are whole groups, so its weight and bias rows are the
+    matching slice and the groups are divided (Mamba's depthwise conv1d, as vLLM shards it)."""
+    x, weight = c.node.args[:2]
+    bias = c.arg(2, "bias", None)
+    groups = c.arg(6, "groups", 1)
+    s = c.shard(x)
+    if s is None or s.dim != 1:
+        raise Refusal("convolves with a split weight or over a split spatial dim")
+    if s.parts > 1:
+        c.refuse_fused(s, "convolves it")
+    if groups % c.n:
+        raise Refusal(f"mixes its split channels ({groups} groups, not divisible by {c.n} "
+                      f"ranks)")  # fmt: skip
+    needs = tuple((t, 0) for t in (weight, bias) if isinstance(t, fx.Node) and c.shard(t) is None)
+    if needs:
+        raise Refusal("convolves it with unsplit weights", needs)
+    if any(c.shard(t) != Shard(0) for t in (weight, bias) if isinstance(t, fx.Node)):
+        raise Refusal("convolves it with weights split on another dim")
+    if c.node.kwargs:
+        raise Refusal("is given keyword arguments (the per-rank groups go by position)")
+    args = [*c.node.args, *(None, 1, 0, 1, 1)[len(c.node.args) - 2 :]]
+    args[6] = groups // c.n
+    return Carried(Shard(1), tuple(args))
+
+
 @_rule("softmax", "softmax", "_softmax", "log_softmax", "_log_softmax")
 def _softmax(c: Call) -> Carried:
     s = c.x_shard
-    if _dim(c.node.args[1], len(c.in_shape)) == s.dim:
+    if norm_dim(c.node.args[1], len(c.in_shape)) == s.dim:
         raise Refusal(f"normalises along the split dim {s.dim}")
     return Carried(s)
 
 
 @_rule("reduction", "sum", "mean", "amax", "amin")
 def _reduction(c: Call) -> Carried:
-    """Over other dims the split passes (shifted when dims are dropped); over the split dim
-    each rank would hold a partial result."""
+    """Over other dims the split passes (shifted when dims are dropped). A sum or mean over
+    the split dim gives each rank a partial of the whole result (the rewrite all-reduces it:
+    the statistic of a norm over a whole sharded projection, OLMo2's q/k norm); a max or min
+    there is refused."""
     s, nd = c.x_shard, len(c.in_shape)
     dims = _dims(c.arg(1, "dim", None), nd)
+    op = op_name(c.node)
+    if s.dim in dims and op in ("sum", "mean") and s.parts == 1:
+        return Carried(None, reduce=op)  # a rank's part of the whole: all-reduced
     if s.dim in dims:
         raise Refusal(f"reduces over the split dim {s.dim}")
     keep = c.arg(2, "keepdim", False)
@@ -460,12 +600,47 @@ def _norm(c: Call) -> Carried:
     return Carried(s)
 
 
-@_rule("matmul", "matmul", "bmm")
+def _mm_dim(split: Shard | None, nd: int, out_nd: int, rows: bool) -> int | None:
+    """Where an operand's split lands in a matmul's output: None when whole, -1 on the
+    contracted dim (a's last, b's second to last)."""
+    if split is None:
+        return None
+    contracted, kept = (nd - 1, nd - 2) if rows else (nd - 2, nd - 1)
+    if split.dim == contracted:
+        return -1
+    if split.dim == kept:
+        return out_nd - 2 if rows else out_nd - 1
+    return split.dim + out_nd - nd
+
+
+@_rule("matmul", "matmul", "bmm", "mm")
 def _matmul(c: Call) -> Carried:
-    """Batched over the split dim: both operands split there."""
+    """a @ b: batched over the split dim (both operands split there, or one broadcast); a's
+    rows split (b whole) split the output's rows, b's columns (a whole) its columns (Mamba's
+    scan reads its state by channels); both split along the contracted dim give each rank a
+    partial sum (all-reduced)."""
     a, b = c.node.args[:2]
-    batch = len(c.out_shape) - 2
+    out_nd = len(c.out_shape)
     sa, sb = c.shard(a), c.shard(b)
-    if sa is None or sa != sb or sa.dim >= batch or sa.parts > 1:
-        raise Refusal("multiplies along the split dim or with an unsplit operand")
-    return Carried(sa)
+    na, nb = len(static_shape(a)), len(static_shape(b))
+    if na < 2 or nb < 2:
+        raise Refusal("multiplies a vector with a split operand")
+    if any(s is not None and s.parts > 1 for s in (sa, sb)):
+        c.refuse_fused(sa or sb, "multiplies it")
+    ea, eb = _mm_dim(sa, na, out_nd, True), _mm_dim(sb, nb, out_nd, False)
+    if ea == eb == -1:
+        return Carried(None, reduce="sum")
+    if -1 in (ea, eb):
+        other, k = (b, nb - 2) if ea == -1 else (a, na - 1)
+        if c.shard(other) is not None:
+            raise Refusal("contracts the split dim with an operand split on another dim")
+        raise Refusal(f"contracts the split dim with unsplit {other.name}", ((other, k),))
+    if ea is not None and eb is not None and ea != eb:
+        raise Refusal("multiplies operands split on different dims")
+    e = ea if ea is not None else eb
+    if e < out_nd - 2:  # a batch dim: the other operand split there too, or broadcast
+        other = b if ea is not None else a
+        k = e - (out_nd - len(static_shape(other)))
+        if c.shard(other) is None and k >= 0 and static_shape(other)[k] != 1:
+            raise Refusal(f"multiplies it batched with unsplit {other.name}", ((other, k),))
+    return Carried(Shard(e))

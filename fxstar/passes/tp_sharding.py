@@ -23,23 +23,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import fx
 
 from fxstar.dump import NOTES_KEY, note, target_name
 from fxstar.passes import Pass, register
+from fxstar.passes.tp_carry import Carrier, Edge, Failure, needs_grad
+from fxstar.passes.tp_demand import Seed
 from fxstar.passes.tp_rules import (
     ELEMENTWISE,
     UNARY,
     VIEWS,
-    Call,
-    Refusal,
     Shard,
     TPShardingError,
     module_path,
+    norm_dim,
     op_name,
     passive,
-    rule_for,
     static_shape,
 )
 from fxstar.passes.tp_vocab import VocabParallel, find_vocab
@@ -68,6 +67,9 @@ DEFAULT_RULES: dict[str, str] = {
             "*.query",
             "*.key",
             "*.value",
+            "*q_b_proj",  # MLA (DeepSeek-V2/V3): the B projections out of the low rank, by heads
+            "*kv_b_proj",
+            "*mixer.in_proj",  # Mamba: x and the gate over the inner dim
             "*gate_proj",
             "*up_proj",
             "*.c_fc",
@@ -92,8 +94,13 @@ DEFAULT_RULES: dict[str, str] = {
         ),
         "row",
     ),
+    # MLA's low-rank A projections: small, read by every head, kept whole (as DeepSeek's own
+    # tensor parallel does)
+    **dict.fromkeys(("*q_a_proj", "*kv_a_proj_with_mqa"), "replicate"),
 }
-"""Module-path patterns (fnmatch) of the usual transformer blocks; plan rules come first."""
+"""Module-path patterns (fnmatch) of the usual transformer blocks; plan rules come first. A
+linear no pattern names that reads features split across ranks is row-parallel (Mamba's
+x_proj, whose outputs every channel's scan reads)."""
 
 
 @dataclass
@@ -112,14 +119,6 @@ class LinearSite:
     transposed: bool  # weight stored [in, out] (GPT-2 Conv1D: view -> addmm -> view)
     parts: int = 1  # a fused projection (q,k,v in one weight): each part is split on its own
     nodes: tuple[str, ...] = ()  # nodes the site replaces, output last
-
-
-@dataclass(frozen=True)
-class Edge:
-    """A tensor `producer` read by `consumer` that needs a collective in between."""
-
-    producer: str
-    consumer: str
 
 
 @dataclass
@@ -144,9 +143,32 @@ class Sharding:
     # the parameters split across the ranks, by their fed names (the rewrite derives their
     # shards): the gradient norm sums these over the ranks, the others once (grad_norm.py)
     params: set[str] = field(default_factory=set)
+    # parameters split outside linears (a norm weight over a split projection, Mamba's A_log):
+    # placeholder -> dim
+    split_params: dict[str, int] = field(default_factory=dict)
+    # sums and means over a split dim: node -> 'sum' | 'mean', all-reduced after it
+    reduced: dict[str, str] = field(default_factory=dict)
+    # every linear's module -> 'column' | 'row' | 'vocab' | 'replicate' (the report's list)
+    linears: dict[str, str] = field(default_factory=dict)
 
     def site(self, output: str) -> LinearSite:
         return next(s for s in self.sites if s.output == output)
+
+    def describe_linears(self) -> str:
+        """Each linear's sharding, one entry per layer pattern: the report's line."""
+        styles: dict[str, dict[str, None]] = {}
+        for module, style in self.linears.items():
+            styles.setdefault(style, {})[_layer_pattern(module)] = None
+        parts = [
+            f"{style} {', '.join(styles[style])}"
+            for style in ("column", "row", "vocab", "replicate") if style in styles
+        ]  # fmt: skip
+        extra = ""
+        if self.split_params:
+            extra += f"; {len(self.split_params)} other parameters split"
+        if self.reduced:
+            extra += f"; {len(self.reduced)} sums across ranks"
+        return f"tensor parallel (size {self.size}) linears: " + "; ".join(parts) + extra
 
 
 def _layer_pattern(path: str) -> str:
@@ -168,90 +190,95 @@ def _style(path: str, rules: dict[str, str]) -> tuple[str, str]:
     return "replicate", ""
 
 
+def _linear_site(
+    program: Program, node: fx.Node, style: str, rule: str, n: int
+) -> LinearSite | str:
+    """`node` (a linear, or GPT-2's Conv1D addmm) as a `style` site, or why it cannot be."""
+    slots = program.placeholder_kinds()
+    path = module_path(node)
+    if op_name(node) == "linear":
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else None
+        out, nodes, transposed = node, (node.name,), False
+    else:  # GPT-2's Conv1D: view(x, [-1, in]) -> addmm(b, ., W[in, out]) -> view
+        b, flat, w = node.args[0], node.args[1], node.args[2]
+        users = list(node.users)
+        if not (
+            op_name(flat) in VIEWS and len(static_shape(flat.args[0]) or ()) >= 3
+            and len(users) == 1 and op_name(users[0]) in VIEWS
+        ):  # fmt: skip
+            return (f"{style}-parallel addmm {node.name} at {path} is not the Conv1D pattern "
+                    f"view -> addmm -> view over a [..., seq, hidden] input")  # fmt: skip
+        x, out, transposed = flat.args[0], users[0], True
+        nodes = ((flat.name,) if len(flat.users) == 1 else ()) + (node.name, out.name)
+    for p in (w, b):
+        slot = slots.get(p.name) if isinstance(p, fx.Node) else None
+        if p is not None and (slot is None or slot.kind != "parameter"):
+            return f"{style}-parallel linear {node.name} at {path} reads {p}, not a parameter"
+        if p is not None and len(p.users) > 1:
+            others = [u.name for u in p.users if u is not node]
+            return (f"the weight {slots[p.name].target!r} of {style}-parallel linear "
+                    f"{node.name} at {path} is also read by {others}; a shared weight cannot "
+                    f"be split")  # fmt: skip
+    site = LinearSite(
+        style=style, rule=rule, module=path, input=x.name, output=out.name, weight=w.name,
+        bias=b.name if b is not None else None, weight_name=slots[w.name].target,
+        bias_name=slots[b.name].target if b is not None else None, transposed=transposed,
+        nodes=nodes,
+    )  # fmt: skip
+    wshape = static_shape(w)
+    out_features = wshape[1] if transposed else wshape[0]
+    in_features = wshape[0] if transposed else wshape[1]
+    if style == "column":
+        site.parts = _fused_parts(out, out_features)
+        if (out_features // site.parts) % n:
+            return (f"column-parallel linear {node.name} at {path} has {out_features} outputs"
+                    f"{f' in {site.parts} fused parts' if site.parts > 1 else ''}, not "
+                    f"divisible by tensor_parallel.size={n}")  # fmt: skip
+    elif in_features % n:
+        return (f"row-parallel linear {node.name} at {path} has {in_features} inputs, not "
+                f"divisible by tensor_parallel.size={n}")  # fmt: skip
+    return site
+
+
 def _find_sites(
     program: Program, rules: dict[str, str], n: int, skip: frozenset[str] = frozenset()
-) -> list[LinearSite]:
-    slots = program.placeholder_kinds()
-    sites = []
+) -> tuple[list[LinearSite], list[Failure], dict[str, str]]:
+    """The column and row sites the rules name, the linears that cannot be one (failures
+    blaming themselves), and every linear's style by module."""
+    sites, failures, styles = [], [], {}
     for node in program.graph_module.graph.nodes:
-        op = op_name(node)
-        if op not in ("linear", "addmm") or node.name in skip:
+        if op_name(node) not in ("linear", "addmm"):
             continue
         path = module_path(node)
+        if node.name in skip:
+            styles[path] = "vocab"
+            continue
         style, rule = _style(path, rules)
+        styles.setdefault(path, style)
         if style == "replicate":
             continue
-        if op == "linear":
-            x, w = node.args[0], node.args[1]
-            b = node.args[2] if len(node.args) > 2 else None
-            out, nodes, transposed = node, (node.name,), False
-        else:  # GPT-2's Conv1D: view(x, [-1, in]) -> addmm(b, ., W[in, out]) -> view
-            b, flat, w = node.args[0], node.args[1], node.args[2]
-            users = list(node.users)
-            if not (
-                op_name(flat) in VIEWS and len(static_shape(flat.args[0]) or ()) >= 3
-                and len(users) == 1 and op_name(users[0]) in VIEWS
-            ):  # fmt: skip
-                raise TPShardingError(
-                    f"{style}-parallel addmm {node.name} at {path} is not the Conv1D pattern "
-                    f"view -> addmm -> view over a [..., seq, hidden] input; add "
-                    f"rules={{{_layer_pattern(path)!r}: 'replicate'}} to keep it whole"
-                )
-            x, out, transposed = flat.args[0], users[0], True
-            nodes = ((flat.name,) if len(flat.users) == 1 else ()) + (node.name, out.name)
-        for p in (w, b):
-            slot = slots.get(p.name) if isinstance(p, fx.Node) else None
-            if p is not None and (slot is None or slot.kind != "parameter"):
-                raise TPShardingError(
-                    f"{style}-parallel linear {node.name} at {path} reads {p} which is not a "
-                    f"parameter; add rules={{{_layer_pattern(path)!r}: 'replicate'}}"
-                )
-            if p is not None and len(p.users) > 1:
-                others = [u.name for u in p.users if u is not node]
-                raise TPShardingError(
-                    f"the weight {slots[p.name].target!r} of {style}-parallel linear "
-                    f"{node.name} at {path} is also read by {others}; a shared weight cannot "
-                    f"be split: add rules={{{_layer_pattern(path)!r}: 'replicate'}}"
-                )
-        site = LinearSite(
-            style=style, rule=rule, module=path, input=x.name, output=out.name, weight=w.name,
-            bias=b.name if b is not None else None, weight_name=slots[w.name].target,
-            bias_name=slots[b.name].target if b is not None else None, transposed=transposed,
-            nodes=nodes,
-        )  # fmt: skip
-        wshape = static_shape(w)
-        out_features = wshape[1] if transposed else wshape[0]
-        in_features = wshape[0] if transposed else wshape[1]
-        if style == "column":
-            site.parts = _fused_parts(out, out_features)
-            if (out_features // site.parts) % n:
-                raise TPShardingError(
-                    f"column-parallel linear {node.name} at {path} has {out_features} outputs"
-                    f"{f' in {site.parts} fused parts' if site.parts > 1 else ''}, not "
-                    f"divisible by tensor_parallel.size={n}; add "
-                    f"rules={{{_layer_pattern(path)!r}: 'replicate'}}"
-                )
-        elif in_features % n:
-            raise TPShardingError(
-                f"row-parallel linear {node.name} at {path} has {in_features} inputs, not "
-                f"divisible by tensor_parallel.size={n}; add "
-                f"rules={{{_layer_pattern(path)!r}: 'replicate'}}"
-            )
-        sites.append(site)
-    return sites
+        site = _linear_site(program, node, style, rule, n)
+        if isinstance(site, str):
+            failures.append(Failure(node.name, target_name(node.target), path, site, (path,)))
+        else:
+            sites.append(site)
+    return sites, failures, styles
 
 
 def _fused_parts(out: fx.Node, features: int) -> int:
     """How many projections a column output holds, when it is cut into equal pieces on its
     last dim right after: one split or chunk (GPT-2's q, k, v; Phi-3's gate and up), or
-    slices side by side (Phi-3's q, k, v). Anything else is one part: a contiguous split,
-    which is whole heads per rank when the rows are grouped per head (GPT-NeoX)."""
+    slices side by side (Phi-3's q, k, v), after transposes and casts (Mamba's x and gate).
+    Anything else is one part: a contiguous split, which is whole heads per rank when the
+    rows are grouped per head (GPT-NeoX)."""
+    out, last = _moved(out, len(static_shape(out)) - 1)
     users = list(out.users)
-    last = len(static_shape(out)) - 1
+    nd = len(static_shape(out))
 
     def dim(node: fx.Node, i: int) -> int:
         d = node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0)
-        return d % (last + 1)
+        return d % nd
 
     if len(users) == 1 and op_name(users[0]) in ("split", "split_with_sizes", "chunk"):
         cut = users[0]
@@ -271,116 +298,31 @@ def _fused_parts(out: fx.Node, features: int) -> int:
     return 1
 
 
+def _moved(node: fx.Node, dim: int) -> tuple[fx.Node, int]:
+    """Follow `node`'s only reader while it is a transpose, permute or cast: the last such
+    node and where `dim` went."""
+    while True:
+        users = [u for u in node.users if not passive(u)]
+        if len(users) != 1:
+            return node, dim
+        user = users[0]
+        op, nd = op_name(user), len(static_shape(node) or ())
+        if op == "transpose":
+            a, b = norm_dim(user.args[1], nd), norm_dim(user.args[2], nd)
+            dim = b if dim == a else a if dim == b else dim
+        elif op == "permute":
+            dim = [norm_dim(d, nd) for d in user.args[1]].index(dim)
+        elif op not in UNARY or user.args[0] is not node:
+            return node, dim
+        node = user
+
+
 def _span(node: fx.Node, features: int) -> tuple[int, int]:
     """[start, end) of a slice with step 1; (-1, -1) for any other."""
     defaults = (None, 0, None, None, 1)  # slice.Tensor(self, dim, start, end, step)
     _, _, start, end, step = (*node.args, *defaults[len(node.args) :])
     start, end = start or 0, features if end is None else min(end, features)
     return (start, end) if step == 1 and start >= 0 and end >= 0 else (-1, -1)
-
-
-# -- carrying the feature sharding ----------------------------------------------------------------
-
-_NO_GRAD = frozenset({"detach", "detach_", "lift_fresh_copy", "_assert_tensor_metadata"})
-
-
-def _floating(val: Any) -> bool:
-    if isinstance(val, list | tuple):
-        return any(_floating(v) for v in val)
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
-
-
-def _needs_grad(program: Program) -> set[fx.Node]:
-    """Nodes whose value a parameter reaches through differentiable ops (export's values do
-    not say: their requires_grad is False)."""
-    slots = program.placeholder_kinds()
-    grad: set[fx.Node] = set()
-    for node in program.graph_module.graph.nodes:
-        if node.op == "placeholder":
-            slot = slots.get(node.name)
-            if slot is not None and slot.kind == "parameter":
-                grad.add(node)
-        elif (
-            node.op == "call_function" and op_name(node) not in _NO_GRAD and _floating(_val(node))
-            and any(m in grad for m in node.all_input_nodes)
-        ):  # fmt: skip
-            grad.add(node)
-    return grad
-
-
-class _Carrier:
-    """Walks the graph in order and carries each column output's split to its row linear,
-    applying each op's rule from tp_rules."""
-
-    def __init__(self, program: Program, sites: list[LinearSite], n: int):
-        self.n = n
-        self.shard: dict[fx.Node, Shard] = {}
-        self.origin: dict[fx.Node, LinearSite] = {}  # the column linear a split comes from
-        self.args: dict[str, tuple] = {}
-        self.carried_by: dict[str, str] = {}
-        self.grad_reduces: list[Edge] = []
-        self.needs_grad = _needs_grad(program)
-        self.nodes = {node.name: node for node in program.graph_module.graph.nodes}
-        self.columns = {s.output: s for s in sites if s.style == "column"}
-        self.rows = {s.input: s for s in sites if s.style == "row"}
-        # nodes a site replaces (a column's output is where its split starts)
-        self.inside = {name for s in sites for name in s.nodes} - set(self.columns)
-
-    def fail(self, node: fx.Node, rule: str | None, why: str) -> TPShardingError:
-        site = next(self.origin[m] for m in node.all_input_nodes if m in self.origin)
-        how = f"rule {rule!r} cannot carry the split" if rule else "no rule carries a split"
-        return TPShardingError(
-            f"tensor parallel: node {node.name} ({target_name(node.target)}) at "
-            f"{module_path(node) or '<model>'} reads the output of column-parallel "
-            f"{site.module} split across ranks, and {how}: it {why}.\n"
-            f"  fix: rules={{{_layer_pattern(site.module)!r}: 'replicate'}} keeps that linear "
-            f"whole, or mark the linear that should end the split 'row'"
-        )
-
-    def run(self) -> None:
-        for node in self.nodes.values():
-            if node.name in self.columns:
-                site = self.columns[node.name]
-                self.shard[node] = Shard(len(static_shape(node)) - 1, site.parts)
-                self.origin[node] = site
-                continue
-            if node.name in self.inside or passive(node):
-                continue
-            if any(m in self.shard for m in node.all_input_nodes):
-                self.carry(node)
-        for name, site in self.rows.items():
-            shard = self.shard.get(self.nodes[name])
-            last = len(static_shape(self.nodes[name])) - 1
-            if shard is None or shard != Shard(last):
-                got = "not split" if shard is None else f"split on dim {shard.dim}"
-                raise TPShardingError(
-                    f"row-parallel linear at {site.module} needs its input {name} split on "
-                    f"its last dim (features), but it is {got}; add "
-                    f"rules={{{_layer_pattern(site.module)!r}: 'replicate'}}"
-                )
-
-    def carry(self, node: fx.Node) -> None:
-        """Record `node`'s split, per-rank args and replicated inputs whose grads are summed."""
-        if node.op == "output":
-            raise self.fail(node, None, "is returned by the model; a KV cache returned in "
-                            "training is not needed: config.use_cache=False")  # fmt: skip
-        rule_name, rule = rule_for(node)
-        if rule is None:
-            raise self.fail(node, None, f"is {rule_name}, which tp_rules has no rule for")
-        try:
-            carried = rule(Call(node, self.n, self.shard))
-        except Refusal as refusal:
-            raise self.fail(node, rule_name, str(refusal)) from None
-        if carried.shard is None:
-            return
-        self.shard[node] = carried.shard
-        self.origin[node] = next(self.origin[m] for m in node.all_input_nodes if m in self.shard)
-        self.carried_by[node.name] = rule_name
-        if carried.args is not None:
-            self.args[node.name] = carried.args
-        for m in node.all_input_nodes:
-            if m not in self.shard and m in self.needs_grad:
-                self.grad_reduces.append(Edge(m.name, node.name))
 
 
 # -- the sequence-sharded region ------------------------------------------------------------------
@@ -563,6 +505,126 @@ def _add_vocab(program: Program, sharding: Sharding) -> None:
     sharding.args.update(vocab.args)
 
 
+# -- the decision: carried to a fixed point, or refused in one message ---------------------------
+
+_MAX_WALKS = 200  # each walk adds seeds or replicated linears, of which a model has finitely many
+
+
+def _splittable_param(program: Program, sites: list[LinearSite], head: frozenset[str]):
+    """'' for a placeholder tp_demand may split on its own, else why not."""
+    slots = program.placeholder_kinds()
+    graph = {node.name: node for node in program.graph_module.graph.nodes}
+    taken = {p for s in sites for p in (s.weight, s.bias) if p}
+    taken |= {graph[h].args[1].name for h in head}
+
+    def check(node: fx.Node) -> str:
+        slot = slots.get(node.name)
+        if slot is None or slot.kind != "parameter":
+            kind = slot.kind if slot is not None else "input"
+            return f"{node.name} is a {kind}, not a parameter"
+        if node.name in taken:
+            return f"{slot.target} is a split linear's weight"
+        info = program.param(node.name)
+        if len(info.aliases) > 1 or len(info.placeholders) > 1:
+            return f"{slot.target} is tied to {list(info.aliases)}"
+        return ""
+
+    return check
+
+
+def _implied_row(program: Program, rules: dict[str, str], n: int, head: frozenset[str]):
+    """The row site a linear no rule names becomes when it reads split features, or why it
+    cannot be one."""
+
+    def row(node: fx.Node, shard: Shard) -> LinearSite | str:
+        path = module_path(node)
+        if node.name in head:
+            return f"it is the LM head {path}, which reads whole features"
+        style, rule = _style(path, rules)
+        if rule:
+            return f"it is linear {path}, kept whole by rules={{{rule!r}: {style!r}}}"
+        last = len(static_shape(node.args[0])) - 1
+        if shard != Shard(last):
+            return f"it is linear {path}, reading its input split on dim {shard.dim}"
+        return _linear_site(program, node, "row", "(reads split features)", n)
+
+    return row
+
+
+def _failure_key(f: Failure) -> tuple:
+    return _layer_pattern(f.module), f.op, tuple(_layer_pattern(m) for m in f.blame)
+
+
+def _decide(
+    program: Program, rules: dict[str, str], n: int, head: frozenset[str]
+) -> tuple[list[LinearSite], Carrier, dict[str, str]]:
+    """Sites, the carrier's record and every linear's style. When a linear must be kept whole
+    for the split to be carried, keep going with it whole until everything carries, then
+    refuse once, naming every node that stopped a split and the whole set of rules that
+    works."""
+    grad = needs_grad(program)
+    extra: dict[str, str] = {}
+    met: dict[tuple, list[Failure]] = {}
+    seeds: dict[str, Seed] = {}
+    for _ in range(_MAX_WALKS):
+        merged = {**extra, **rules}
+        sites, failures, styles = _find_sites(program, merged, n, skip=head)
+        carrier = Carrier(
+            program, sites, n, seeds, _splittable_param(program, sites, head),
+            _implied_row(program, merged, n, head), grad,
+        )  # fmt: skip
+        carrier.run()
+        fresh = {name: seed for name, seed in carrier.demands.items() if name not in seeds}
+        if fresh:  # walk again, the new splits started
+            seeds.update(fresh)
+            continue
+        failures += carrier.failures
+        if not failures:
+            break
+        # what stops the splits as the rules stand; later walks meet only what keeping
+        # those linears whole entails (the row after a whole column), which the rules cover
+        first = not met
+        for f in failures:
+            if first:
+                met.setdefault(_failure_key(f), []).append(f)
+        blamed = {_layer_pattern(m): "replicate" for f in failures for m in f.blame}
+        blamed = {pattern: style for pattern, style in blamed.items() if pattern not in extra}
+        if not blamed:
+            for f in failures if not first else ():
+                met.setdefault(_failure_key(f), []).append(f)
+            raise _refusal(met, None, n)
+        extra.update(blamed)
+        seeds = {}
+    else:
+        raise TPShardingError(f"tensor parallel did not settle in {_MAX_WALKS} walks")
+    if extra:
+        raise _refusal(met, {**extra, **rules}, n, nothing_left=not sites and not head)
+    for site in carrier.implied:
+        styles[site.module] = "row"
+    return sites + carrier.implied, carrier, styles
+
+
+def _refusal(
+    met: dict[tuple, list[Failure]], rules: dict[str, str] | None, n: int,
+    nothing_left: bool = False,
+) -> TPShardingError:  # fmt: skip
+    lines = [f"tensor parallel (size {n}) cannot split the model as the rules name it:"]
+    for same in met.values():
+        f = same[0]
+        more = f" (and {len(same) - 1} more like it)" if len(same) > 1 else ""
+        lines.append(f"  - node {f.node} ({f.op}) at {f.module or '<model>'}{more}: {f.what}")
+    if rules is None:
+        lines.append("  no set of linears kept whole fixes this")
+    else:
+        whole = [p for p, style in rules.items() if style == "replicate"]
+        lines.append(
+            f"  fix: rules={rules!r} keeps {', '.join(whole)} whole and splits the rest"
+            + (" (which leaves nothing to split at this size)" if nothing_left else "")
+            + "; or mark the linear that should end a split 'row'"
+        )
+    return TPShardingError("\n".join(lines))
+
+
 # -- the pass -------------------------------------------------------------------------------------
 
 
@@ -588,15 +650,18 @@ class TPSharding(Pass):
         sharding = Sharding(size=n, sequence_parallel=config.sequence_parallel)
         sharding.vocab, sharding.vocab_off = find_vocab(program, dict(config.rules), n)
         head = frozenset({sharding.vocab.head} if sharding.vocab else ())
-        sharding.sites = _find_sites(program, dict(config.rules), n, skip=head)
+        sharding.sites, carrier, sharding.linears = _decide(program, dict(config.rules), n, head)
         if not sharding.sites and sharding.vocab is None:
             raise TPShardingError(
                 "tensor parallel found no linear to split: name them with "
                 "plan.tensor_parallel.rules (module pattern -> 'column' | 'row')"
             )
-        carrier = _Carrier(program, sharding.sites, n)
-        carrier.run()
-        sharding.sharded = {node.name: s.dim for node, s in carrier.shard.items()}
+        sharding.split_params = carrier.split_params
+        sharding.sharded = {
+            node.name: s.dim for node, s in carrier.shard.items()
+            if node.name not in carrier.split_params
+        }  # fmt: skip
+        sharding.reduced = carrier.reduced
         sharding.args = carrier.args
         sharding.carried_by = carrier.carried_by
         if sharding.vocab is not None:
@@ -607,10 +672,12 @@ class TPSharding(Pass):
             )
         sharding.grad_reduces = list(carrier.grad_reduces)
         if config.sequence_parallel:
-            _sequence_region(program, sharding, set(sharding.sharded), n)
+            split = {*sharding.sharded, *sharding.reduced, *sharding.split_params}
+            _sequence_region(program, sharding, split, n)
             _check_slices_meet_splits(sharding, carrier.needs_grad)
             _scatter_vocab_sums(program, sharding)
         _random_streams(program, sharding)
+        program.decisions.report_lines.append(sharding.describe_linears())
         program.decisions.tp_sharding = sharding
         self._annotate(program, sharding)
         return program
@@ -626,6 +693,10 @@ class TPSharding(Pass):
             rule = sharding.carried_by.get(name)
             text = f"split(dim={dim}{f', {rule}' if rule else ''})"
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", text)
+        for name, dim in sharding.split_params.items():
+            note(nodes[name], "tp", f"split(dim={dim}, parameter)")
+        for name, how in sharding.reduced.items():
+            note(nodes[name], "tp", f"all-reduce({how})")
         for name in sharding.seq_nodes:
             nodes[name].meta.setdefault(NOTES_KEY, {}).setdefault("tp", "seq")
         for name in sharding.rank_random:
