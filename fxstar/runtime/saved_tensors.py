@@ -55,7 +55,12 @@ class SavedTensors:
                     return Handle(chunk.id, offset, tuple(t.shape), tuple(t.stride()),
                                   self.content_version(chunk))  # fmt: skip
             raise RuntimeError("a saved arena tensor belongs to no resident chunk")
-        return residency.tracer.saved(t)  # counted as activation memory
+        # detached: the tensor autograd saves may be the node's own output, whose grad_fn is
+        # the node that keeps what this returns; holding it with its grad_fn would be a
+        # reference cycle, freed by the cycle collector only (an eval loop without no_grad
+        # would grow until then). The detached tensor shares storage and version counter;
+        # autograd gives the unpacked tensor back its grad_fn itself.
+        return residency.tracer.saved(t.detach())  # counted as activation memory
 
     def unpack(self, packed: object) -> torch.Tensor:
         if not isinstance(packed, Handle):
