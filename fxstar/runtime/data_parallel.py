@@ -106,8 +106,8 @@ class ChunkGroups:
 
     # -- collectives, each named in errors --------------------------------------------------------
 
-    def _guard(self, what: str):
-        return comm.guard(f"{what} (data parallel)", self.group)
+    def _guard(self, what: str, *, wait: bool = False):
+        return comm.guard(f"{what} (data parallel)", self.group, wait=wait)
 
     def _buffer(self, numel: int, like: torch.Tensor, purpose: str = "data_parallel"
                 ) -> torch.Tensor:  # fmt: skip
@@ -148,7 +148,8 @@ class ChunkGroups:
 
     def arrived(self, chunk_id: int, work: dist.Work) -> None:
         """A prefetch's broadcast or gather is done (an error names the chunk)."""
-        with self._guard(f"fetching chunk {chunk_id} (owner rank {self.owner(chunk_id)})"):
+        with self._guard(f"fetching chunk {chunk_id} (owner rank {self.owner(chunk_id)})",
+                         wait=True):  # fmt: skip
             work.wait()
 
     def reduce_unit(self, staged: torch.Tensor, owners: list[int], chunk_size: int

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from fxstar.errors import CollectiveError
 from fxstar.runtime.buffer_pool import BufferPool
+from fxstar.runtime.step_check import begin_forward
 from fxstar.runtime.tp_group import (
     TPGroup,
     group_timeout,
@@ -57,6 +58,7 @@ __all__ = [
     "TPGroup",
     "all_gather_seq",
     "all_reduce_forward",
+    "begin_forward",
     "column_linear",
     "full_shape",
     "gather_from_seq",
@@ -92,7 +94,7 @@ class _Works:
         self.what, self.group = what, group
 
     def wait(self) -> None:
-        with guard(self.what, self.group):
+        with guard(self.what, self.group, wait=True):
             for work in self.works:
                 work.wait()
         self.works = []

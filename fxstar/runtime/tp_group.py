@@ -11,7 +11,8 @@ global rank, so rooted collectives name their root by its group rank (torch's `g
 
 Failures: an engine's group is made with `plan.dist_timeout`, so a rank that stopped (crashed,
 skipped a step, diverged) makes the others raise a `CollectiveError` naming the collective
-instead of waiting out gloo's 30 minutes (`guard`).
+instead of waiting out gloo's 30 minutes (`guard`). Before each collective `guard` checks that
+every rank is at the same one (`runtime/step_check.py`): a rank out of step raises at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from fxstar.errors import CollectiveError
 from fxstar.runtime.buffer_pool import BufferPool
+from fxstar.runtime.step_check import StepCursor
 
 if TYPE_CHECKING:
     from fxstar.runtime.rng_tracker import RankStream
@@ -47,13 +49,17 @@ class TPGroup(nn.Module):
     belongs to it; a graph's collectives, random ops and recomputed regions read it from the
     graph."""
 
-    def __init__(self, pg: Any, timeout: float | None, ranks: list[int] | None = None):
+    def __init__(
+        self, pg: Any, timeout: float | None, ranks: list[int] | None = None,
+        steps: StepCursor | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.pg = pg  # dist.ProcessGroup; None: torch's default group
         self.timeout = timeout  # seconds; None: the default group's (torch's)
         self.ranks = ranks  # the global ranks in group-rank order; None: every rank
         self.stream: RankStream | None = None  # this rank's RNG stream, once made
         self.buffers = BufferPool()
+        self.steps = steps  # where this rank is in the group's collectives (step_check)
 
     def __deepcopy__(self, memo: dict) -> TPGroup:
         return self  # a copied graph (a kept stage) runs on the same group
@@ -61,11 +67,15 @@ class TPGroup(nn.Module):
     def release(self) -> None:
         """Destroy the process group (its engine is closed or freed); twice is harmless."""
         pg, self.pg, self.stream = self.pg, None, None
+        side = self.steps.pg if self.steps is not None and self.steps.pg is not pg else None
         self.buffers.clear()
+        self.steps = None
         if pg is None or not dist.is_initialized():
             return
-        with contextlib.suppress(ValueError, RuntimeError):  # gone with the default group
-            dist.destroy_process_group(pg)
+        for each in (pg, side):
+            if each is not None:
+                with contextlib.suppress(ValueError, RuntimeError):  # gone with the default
+                    dist.destroy_process_group(each)
 
     def extra_repr(self) -> str:
         where = "" if self.ranks is None else f"ranks={self.ranks}, "
@@ -77,17 +87,25 @@ def new_group(timeout: float, partition: list[list[int]] | None = None) -> TPGro
     """A process group whose collectives give up after `timeout` seconds: over every rank, or
     with `partition` (lists of global ranks covering the world, as `MeshLayout.tp_groups`
     gives) over the part holding this rank. Collective: every rank calls it at the same point
-    with the same partition (torch makes every group on every rank, members or not)."""
+    with the same partition (torch makes every group on every rank, members or not). Its
+    collectives are checked to be in step (step_check), under a backend other than gloo on a
+    gloo group of the same ranks made beside it."""
     delta = datetime.timedelta(seconds=timeout)
+    gloo = dist.get_backend() == dist.Backend.GLOO
+
+    def make(ranks: list[int] | None) -> tuple[Any, Any]:
+        pg = dist.new_group(ranks=ranks, timeout=delta)
+        return pg, pg if gloo else dist.new_group(ranks=ranks, timeout=delta, backend="gloo")
+
     try:
         if partition is None:
-            pg, ranks = dist.new_group(timeout=delta), None
+            (pg, side), ranks = make(None), None
         else:
-            me, pg, ranks = dist.get_rank(), None, None
+            me, pg, side, ranks = dist.get_rank(), None, None, None
             for part in partition:
-                made = dist.new_group(ranks=list(part), timeout=delta)
+                made = make(list(part))
                 if me in part:
-                    pg, ranks = made, list(part)
+                    (pg, side), ranks = made, list(part)
             if pg is None:
                 raise ValueError(f"rank {me} is in no group of the partition {partition}")
     except RuntimeError as error:
@@ -100,7 +118,7 @@ def new_group(timeout: float, partition: list[list[int]] | None = None) -> TPGro
             "tensor_parallel). Look for the first error in the other ranks' output; "
             f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
         ) from error
-    return TPGroup(pg, float(timeout), ranks)
+    return TPGroup(pg, float(timeout), ranks, StepCursor(side))
 
 
 def release_group(group: TPGroup | None) -> None:
@@ -164,10 +182,15 @@ def _lost_peer_message(what: str, group: TPGroup | None, error: BaseException) -
 
 
 @contextlib.contextmanager
-def guard(what: str, group: TPGroup | None = None) -> Iterator[None]:
-    """Re-raise a timeout or a lost connection inside the block as a CollectiveError about
-    `what` (a collective and its caller) on `group` (None: the default group)."""
+def guard(what: str, group: TPGroup | None = None, *, wait: bool = False) -> Iterator[None]:
+    """Around the collectives `what` (a collective and its caller, the same text on every
+    rank) on `group` (None: the default group): first every rank checks that the others are
+    at the same collective of the same step (step_check; not for `wait`, a block that only
+    waits for collectives issued before), then a timeout or a lost connection inside the
+    block is re-raised as a CollectiveError about `what`."""
     try:
+        if not wait and group is not None and group.steps is not None:
+            group.steps.check(what)
         yield
     except CollectiveError:
         raise

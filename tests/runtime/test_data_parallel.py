@@ -400,6 +400,76 @@ def test_a_rank_that_stops_ends_the_others_with_a_clear_error():
     assert "rank 0 of 2" in rank0["error"] and rank0["seconds"] < 20
 
 
+def _loop(engine, rank: int, world: int, bad: dict, steps: range, ranks=(1,)) -> list:
+    """The training loop of a script that catches a failed step and goes on; `bad`: the
+    batch of `ranks` at these steps, changed by the function given. Each step's error, or
+    None."""
+    errors = []
+    for i, (ids, targets) in enumerate(batches(world)[steps.start : steps.stop], steps.start):
+        ids, targets = ids[:PER_RANK], targets[:PER_RANK]
+        if rank in ranks and i in bad:
+            ids, targets = bad[i](ids, targets)
+        try:
+            engine(ids, targets).backward()
+            engine.step()
+            errors.append(None)
+        except Exception as error:  # the habit: log it, drop the batch, go on
+            engine.zero_grad()
+            errors.append(f"{type(error).__name__}: {error}")
+    return errors
+
+
+def _out_of_step(rank: int, world: int) -> dict:
+    """Sharded payloads: rank 1's batch is shorter at step 1 (it alone captures the new
+    shape), then at step 3 it raises mid-forward (a token id out of range: the embedding reads
+    it after the first group's gather). Replicated: every rank's batch is shorter at step 1
+    (they capture it together), then rank 1 raises at step 3."""
+    out = {}
+
+    def out_of_range(ids, targets):
+        return ids.clone().index_fill_(1, torch.tensor([3]), VOCAB + 5), targets
+
+    def shorter(ids, targets):
+        return ids[:, : SEQ // 2].contiguous(), targets[:, : SEQ // 2].contiguous()
+
+    example = tuple(t[:PER_RANK] for t in batches(world)[0])
+    for shard, ranks in (("params", (1,)), ("optimizer", (0, 1))):
+        plan = Plan(chunk_size=4096, device_memory="auto", dist_timeout=20,
+                    data_parallel_shard=shard)  # fmt: skip
+        engine = fxstar.compile(gpt(), plan, example_inputs=example)
+        errors = _loop(engine, rank, world, {1: shorter}, range(3), ranks)
+        state = {n: p.clone() for n, p in engine.state_dict().items()}
+        errors += _loop(engine, rank, world, {3: out_of_range}, range(3, 6))
+        out[shard] = {"errors": errors, "state": state}
+    return out
+
+
+def test_a_rank_out_of_step_or_shape_raises_on_every_rank_at_that_step():
+    rank0, rank1 = spawn(_out_of_step, 2)
+    # sharded: a shape on one rank only; both refuse that step by name, then train on
+    error = rank0["params"]["errors"][1]
+    assert error == rank1["params"]["errors"][1] and "different input signatures" in error
+    assert "rank 0: train (int64[2,16], int64[2,16])" in error, error
+    assert "rank 1: train (int64[2,8], int64[2,8])" in error, error
+    # replicated: every rank's shape changes, they capture together
+    assert rank0["optimizer"]["errors"][:3] == rank1["optimizer"]["errors"][:3] == [None] * 3
+    assert rank0["params"]["errors"][2] is rank1["params"]["errors"][2] is None
+    for shard, steps in (("params", 2), ("optimizer", 3)):
+        mine, other = rank0[shard], rank1[shard]
+        for name, p in mine["state"].items():
+            assert torch.equal(other["state"][name], p), name
+        # rank 1's own error at step 3; rank 0 and then rank 1 raise at the first collective
+        # that would pair forward 4 (rank 0, mid-step) with forward 5 (rank 1)
+        assert other["errors"][3].startswith("IndexError"), other["errors"][3]
+        first = mine["errors"][3]
+        assert first is not None and first.startswith("CollectiveError: the data-parallel "
+                                                      "ranks are out of step")  # fmt: skip
+        assert f"rank 0: step {steps}, training forward 4" in first, first
+        assert f"rank 1: step {steps}, training forward 5" in first, first
+        assert first == other["errors"][4], shard  # the same message on every rank
+        assert mine["errors"][4] is not None  # never silent
+
+
 def _res_check_cli(rank: int, world: int) -> str:
     import contextlib
     import io
@@ -881,7 +951,7 @@ def test_tensor_parallel_2_x_data_parallel_2_matches_the_tensor_parallel_run(tmp
     # resumes from its own: steps 1.. repeat the uninterrupted ones bit for bit
     first = names[0]
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert files == sorted([ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE,
+    assert files == sorted([ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE, ckpt.MANIFEST,
                             *(ckpt._rank_file(r) for r in (1, 2, 3))])  # fmt: skip
     checkpoint = fxstar.load(tmp_path / "ckpt")
     assert checkpoint.meta["ranks"] == 4 and checkpoint.meta["data_parallel"] == 2
