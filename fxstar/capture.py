@@ -94,8 +94,14 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
     args, kwargs = _distinct_tensors(args, kwargs)
     start = time.perf_counter()
     try:
-        with _autograd_functions() as functions, _meta_as_fake(root, args, kwargs) as traced:
+        with (
+            _autograd_functions() as functions,
+            _buffer_assignments(root),
+            _meta_as_fake(root, args, kwargs) as traced,
+        ):
             ep = torch.export.export(root, *traced, strict=False, dynamic_shapes=dynamic_shapes)
+    except CaptureError:
+        raise
     except Exception as error:  # noqa: BLE001 - any failure becomes a CaptureError
         raise _capture_error(error, root, prefix) from error
     export_seconds = time.perf_counter() - start
@@ -181,6 +187,7 @@ def _meta_as_fake(root: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[
         with mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
+    made: dict[int, torch.Tensor] = {}  # a tied tensor stays one (export reads it once)
     try:
         for module in root.modules():
             for table in (module._parameters, module._buffers):
@@ -188,9 +195,12 @@ def _meta_as_fake(root: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[
                     if t is None or not t.is_meta:
                         continue
                     swapped.append((table, name, t))
-                    value = fake(t)
-                    if isinstance(t, nn.Parameter):
-                        value = nn.Parameter(value, requires_grad=t.requires_grad)
+                    value = made.get(id(t))
+                    if value is None:
+                        value = fake(t)
+                        if isinstance(t, nn.Parameter):
+                            value = nn.Parameter(value, requires_grad=t.requires_grad)
+                        made[id(t)] = value
                     table[name] = value
         with mode:
             yield pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
@@ -222,6 +232,47 @@ def _autograd_functions() -> Iterator[list[type]]:
         yield found
     finally:
         module._is_setup_context_defined = original
+
+
+@contextlib.contextmanager
+def _buffer_assignments(root: nn.Module) -> Iterator[None]:
+    """Write a buffer that a submodule's forward assigns (`self.ema = self.ema * 0.9 + m`) in
+    place, while tracing (in this thread). Export turns such an assignment into a copy into
+    the buffer on the root module only; on a submodule it drops it, and the graph would
+    train with the buffer never changing. An in-place copy is a mutation export keeps; the
+    module then holds the same tensor with the new value, as `state_dict()` shows eager's."""
+    thread = threading.get_ident()
+    owners = {id(m): name for name, m in root.named_modules() if m is not root}
+
+    def assign(module: nn.Module, name: str, value: Any) -> Any:
+        old = module._buffers.get(name)
+        if threading.get_ident() != thread or id(module) not in owners or old is None:
+            return None
+        where = f"{owners[id(module)]}.{name}"
+        if not isinstance(value, torch.Tensor) or (value.shape, value.dtype) != (
+            old.shape,
+            old.dtype,
+        ):
+            described = (
+                f"a {tuple(value.shape)} {value.dtype} tensor"
+                if isinstance(value, torch.Tensor)
+                else repr(type(value).__name__)
+            )
+            raise CaptureError(
+                f"forward assigns {described} to buffer {where} "
+                f"({tuple(old.shape)} {old.dtype}): export drops a submodule's buffer "
+                "assignment, and a different shape or dtype cannot be written in place",
+                hint=f"keep {where}'s shape and dtype, or update it in place "
+                "(`self.buf.copy_(new)`)",
+            )
+        old.copy_(value)
+        return old
+
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(assign)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _user_function(cls: Any) -> bool:

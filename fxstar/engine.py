@@ -145,6 +145,7 @@ class Engine(nn.Module):
             return self._forward(args, kwargs)
 
     def _forward(self, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        tp.begin_forward(self, args, kwargs)  # ranks out of step raise (runtime/step_check)
         args, kwargs = self._compute_inputs(args, kwargs)
         self._check_model()
         program = self._program_for(args, kwargs)

@@ -197,3 +197,72 @@ def test_a_custom_op_keeps_its_backward():
     assert eager.lin.weight.grad.abs().sum() > 0
     for p, q in zip(eager.parameters(), engine.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+class _Smoothed(nn.Module):
+    """A block that keeps a running mean by assigning its buffer (not writing it in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema = self.ema * 0.9 + x.detach().mean()
+        return torch.tanh(self.fc(x) + self.ema)
+
+
+class _SmoothedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Smoothed(), _Smoothed()])
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1  # the root's own: export keeps this one by itself
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"device_memory": "auto"}, {"checkpoint": "blocks"}],
+    ids=["plain", "chunks", "blocks"],
+)
+def test_a_buffer_assigned_in_a_submodules_forward_is_kept_like_eagers(options):
+    import copy
+
+    import fxstar
+
+    torch.manual_seed(0)
+    model = _SmoothedNet()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    engine = fxstar.compile(model, Plan(optimizer={"type": "sgd", "lr": 0.1}, **options), (x,))
+    reference = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)  # the plan's
+    for step in range(3):
+        batch = x + step
+        loss, expected = engine(batch), eager(batch)
+        loss.backward()
+        expected.backward()
+        engine.step()
+        reference.step()
+        reference.zero_grad()
+        assert torch.equal(loss.detach(), expected.detach())
+    for name, buffer in eager.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buffer), name
+    for name, p in eager.named_parameters():
+        assert torch.equal(dict(model.named_parameters())[name].detach(), p.detach()), name
+
+
+def test_a_buffer_assigned_another_shape_in_a_submodule_is_refused_by_name():
+    class Grows(_Smoothed):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.ema = x.detach().mean(0)  # () -> (8,): cannot be written in place
+            return self.fc(x)
+
+    model = nn.Sequential(Grows())
+    with pytest.raises(CaptureError, match=r"buffer 0\.ema"):
+        capture(model, (torch.randn(4, 8),))
+    assert model[0].ema.shape == ()
