@@ -1,27 +1,130 @@
 """Compile cost and run-time overhead of fxstar on the reference GPT, against torch in the same run.
 
-For 6, 12 and 24 layers: the time of `torch.export` alone, the time fxstar adds on top of it
-(capture bookkeeping and every built-in pass), their ratio (target <= 0.5x), and the
-forward+backward step time of the compiled engine against eager PyTorch (target <= 1.03x).
+1. Depth: capture and the chunk plan's passes (device_memory='auto', scale.py's `compiled`) of
+   meta-built GPTs of 10, 40 and 80 layers, one compile of each depth per round so a busy
+   machine slows all alike: torch.export's time, fxstar's capture bookkeeping, the passes,
+   and per round the passes over export (target <= 0.5x) and each depth's total over the
+   previous depth's (target: at most 1.1x the depth ratio, 2.2x from 40 to 80 layers).
+2. Rewrites and step: for 6, 12 and 24 layers of a host GPT, the time fxstar adds to
+   `torch.export` with the analysis, checkpointing and tiling rewrites (target <= 0.5x), and
+   the forward+backward step time of the compiled engine against eager PyTorch (<= 1.03x).
 
     python benchmarks/compile.py
-    python benchmarks/compile.py --layers 6 --json compile.json
+    python benchmarks/compile.py --depths 10,40,80 --rounds 3 --layers "" --json compile.json
+    python benchmarks/compile.py --depths "" --layers 6
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+from scale import compiled, meta_gpt, warm_up
 
 import fxstar
 from fxstar.models.gpt import GPT, GPTConfig
 
 TARGET_PASS_RATIO, TARGET_STEP_RATIO = 0.5, 1.03
+TARGET_GROWTH = 1.1  # a depth's compile over the previous depth's, per unit of depth ratio
+
+
+@dataclass
+class DepthRow:
+    layers: int
+    parameters: int
+    graph_nodes: int
+    chunks: int
+    export_s: float  # medians over rounds
+    capture_s: float  # capture beyond its torch.export
+    passes_s: float
+    total_s: float
+    pass_ratio: tuple[float, float, float]  # passes / export: min, median, max over rounds
+    growth: tuple[float, float, float] | None  # total / the previous depth's total, per round
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
+
+def depth_rows(args: argparse.Namespace) -> list[DepthRow]:
+    """Rounds of one compile per depth; the ratios are taken within a round."""
+    depths = [int(x) for x in args.depths.split(",")]
+    warm_up(args)
+    runs: dict[int, list[dict]] = {d: [] for d in depths}
+    facts = {}
+    for _ in range(args.rounds):
+        for layers in depths:
+            model = meta_gpt(args, args.width, layers)
+            gc.collect()
+            start = time.perf_counter()
+            program = compiled(model, args)
+            total = time.perf_counter() - start
+            t = program.timings
+            runs[layers].append({
+                "export": t["export"], "capture": t["capture"] - t["export"], "total": total,
+                "passes": sum(s for name, s in t.items() if name not in ("export", "capture")),
+            })  # fmt: skip
+            facts[layers] = (sum(p.numel() for p in set(model.parameters())),
+                             len(program.graph_module.graph.nodes),
+                             len(program.decisions.chunk_layout.chunks))  # fmt: skip
+            del model, program
+    rows = []
+    for k, layers in enumerate(depths):
+        rs = runs[layers]
+        growth = None
+        if k > 0:
+            before = runs[depths[k - 1]]
+            growth = spread([r["total"] / b["total"] for r, b in zip(rs, before)])
+        rows.append(DepthRow(
+            layers, *facts[layers],
+            export_s=statistics.median(r["export"] for r in rs),
+            capture_s=statistics.median(r["capture"] for r in rs),
+            passes_s=statistics.median(r["passes"] for r in rs),
+            total_s=statistics.median(r["total"] for r in rs),
+            pass_ratio=spread([r["passes"] / r["export"] for r in rs]), growth=growth,
+        ))  # fmt: skip
+    return rows
+
+
+def print_depths(rows: list[DepthRow], args: argparse.Namespace) -> list[str]:
+    print(f"1. meta GPT, width {args.width}, batch {args.batch_size} x {args.seq_len}, "
+          "device_memory='auto': capture and the chunk plan's passes, "
+          f"{args.rounds} rounds")  # fmt: skip
+    columns = ("layers", "params", "nodes", "chunks", "export s", "capture s", "passes s",
+               "total s", "passes/export", "total/previous")  # fmt: skip
+    widths = (6, 8, 6, 6, 9, 9, 8, 8, 20, 20)
+    header = " ".join(f"{c:>{w}}" for c, w in zip(columns, widths))
+    print(header)
+    print("-" * len(header))
+
+    def three(v):
+        return "" if v is None else f"{v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}x"
+
+    for r in rows:
+        cells = (f"{r.layers}", f"{r.parameters / 1e6:.1f}M", f"{r.graph_nodes}", f"{r.chunks}",
+                 f"{r.export_s:.2f}", f"{r.capture_s:.2f}", f"{r.passes_s:.2f}",
+                 f"{r.total_s:.2f}", three(r.pass_ratio), three(r.growth))  # fmt: skip
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    print("export s: torch.export inside the capture; capture s: the capture's bookkeeping")
+    print("beyond it; passes s: every pass; seconds are medians, ratios min/median/max of")
+    print("same-round ratios. Targets: passes <= 0.5x export; a depth's total at most")
+    print(f"{TARGET_GROWTH}x the depth ratio times the previous depth's (medians).")
+    verdicts = []
+    for k, r in enumerate(rows):
+        ok = r.pass_ratio[1] <= TARGET_PASS_RATIO
+        text = f"{r.layers} layers: passes {r.pass_ratio[1]:.2f}x export"
+        if r.growth is not None:
+            limit = TARGET_GROWTH * r.layers / rows[k - 1].layers
+            ok = ok and r.growth[1] <= limit
+            text += f", {r.growth[1]:.2f}x {rows[k - 1].layers} layers' time (<= {limit:.2f}x)"
+        verdicts.append(f"{'PASS' if ok else 'MISS'} {text}")
+        print(verdicts[-1])
+    return verdicts
 
 
 @dataclass
@@ -108,7 +211,10 @@ def bench(layers: int, args: argparse.Namespace) -> Row:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="6,12,24", help="layer counts, e.g. 6,12")
+    parser.add_argument("--depths", default="10,40,80",
+                        help="part 1's layer counts ('' to skip)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="part 1's compiles per depth")
+    parser.add_argument("--layers", default="6,12,24", help="part 2's layer counts ('' to skip)")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
@@ -119,8 +225,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
 
+    depths, verdicts = [], []
+    if args.depths:
+        depths = depth_rows(args)
+        verdicts += print_depths(depths, args)
+    rows = []
+    if args.layers:
+        if depths:
+            print()
+        rows, more = step_rows(args)
+        verdicts += more
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "compile", "depths": [asdict(r) for r in depths],
+                       "rows": [asdict(r) for r in rows], "targets": verdicts,
+                       "config": vars(args)}, f, indent=2)  # fmt: skip
+    return 0
+
+
+def step_rows(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     names = fxstar.compile(make(1, args)[0], fxstar.Plan(**PASSES)).pass_manager.names
-    print(f"passes: {', '.join(names)}; torch {torch.__version__}, "
+    print(f"2. host GPT, passes: {', '.join(names)}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     columns = ("layers", "params", "nodes", "first s", "export s", "fxstar s", "ratio",
                "eager ms", "engine ms", "ratio")  # fmt: skip
@@ -147,11 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         verdicts.append(f"{'PASS' if ok else 'MISS'} {r.layers} layers: passes {r.pass_ratio:.2f}x "
                         f"export, step {r.step_ratio:.3f}x eager")  # fmt: skip
         print(verdicts[-1])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "compile", "rows": [asdict(r) for r in rows],
-                       "targets": verdicts, "config": vars(args)}, f, indent=2)  # fmt: skip
-    return 0
+    return rows, verdicts
 
 
 if __name__ == "__main__":

@@ -136,20 +136,39 @@ def segments(
     return segments_of(param_uses(params, pos, skip), layout.slots())
 
 
+class BusyChunks:
+    """Which chunks are read where: how many other chunks a stretch of the graph reads,
+    counted up to a limit by walking the reads in order and skipping each run of one chunk's
+    reads at once, so a query costs a bisection and a few steps, not one per chunk."""
+
+    def __init__(self, reads: list[tuple[int, int]]):  # (position, chunk)
+        reads.sort()
+        self.positions = [p for p, _ in reads]
+        self.chunks = [c for _, c in reads]
+        count = len(reads)
+        self.next_other = [count] * count  # the next read of a different chunk
+        for j in range(count - 2, -1, -1):
+            different = self.chunks[j + 1] != self.chunks[j]
+            self.next_other[j] = j + 1 if different else self.next_other[j + 1]
+
+    def between(self, chunk: int, a: int, b: int, limit: int) -> int:
+        """How many chunks other than `chunk` are read strictly between positions a and b,
+        counted up to `limit`."""
+        others: set[int] = set()
+        j = bisect.bisect_right(self.positions, a)
+        while j < len(self.positions) and self.positions[j] < b and len(others) < limit:
+            if self.chunks[j] != chunk:
+                others.add(self.chunks[j])
+            j = self.next_other[j]
+        return len(others)
+
+
 def segments_of(uses: list[Use], slots: dict[str, ParamSlot]) -> list[Segment]:
     """The segments of `uses` when each parameter lives in its slot's chunk."""
     by_chunk: dict[int, list[Use]] = {}
     for use in uses:
         by_chunk.setdefault(slots[use.name].chunk, []).append(use)
-    starts = {chunk: sorted(u.start for u in items) for chunk, items in by_chunk.items()}
-
-    def busy_between(chunk: int, a: int, b: int) -> int:
-        """How many other chunks are read strictly between positions a and b."""
-        return sum(
-            1 for other, ps in starts.items()
-            if other != chunk and bisect.bisect_right(ps, a) < bisect.bisect_left(ps, b)
-        )  # fmt: skip
-
+    busy = BusyChunks([(u.start, chunk) for chunk, items in by_chunk.items() for u in items])
     out = []
     for chunk, items in by_chunk.items():
         items.sort(key=lambda u: u.start)
@@ -157,7 +176,7 @@ def segments_of(uses: list[Use], slots: dict[str, ParamSlot]) -> list[Segment]:
         for use in items:
             if current is None or (
                 use.start > current.end
-                and busy_between(chunk, current.end, use.start) >= SPLIT_AFTER
+                and busy.between(chunk, current.end, use.start, SPLIT_AFTER) >= SPLIT_AFTER
             ):
                 current = Segment(chunk, use.start, use.end)
                 out.append(current)
@@ -350,26 +369,19 @@ class AccessForecast:
         gm = program.graph_module
         self.load_unit = load_unit(program.plan)
         top = parameter_placeholders(program)
-        # a copy of the top-level graph whose region calls no longer read parameters, as
-        # after move_into_regions; the regions' own graphs are only read
-        graph, env = fx.Graph(), {}
-        output = graph.graph_copy(gm.graph, env)
-        graph.output(output)
-        self.nodes = list(graph.nodes)
+        self.nodes = list(gm.graph.nodes)  # only read
         pos = {n: i for i, n in enumerate(self.nodes)}
         self.estimate = nonmodel_estimate(self.nodes)
         self.region_uses: dict[int, list[Use]] = {}  # by the call's position
         for call, region in region_calls(gm):
-            first, args = region_inputs(call)
+            _, args = region_inputs(call)
             placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
             inner = {ph: top[a] for a, ph in zip(args, placeholders, strict=True)
                      if isinstance(a, fx.Node) and a in top}  # fmt: skip
-            copy = env[call]
-            copy.args = (*copy.args[:first],
-                         *(env[a] if isinstance(a, fx.Node) else a for a in args
-                           if not (isinstance(a, fx.Node) and a in top)))  # fmt: skip
-            self.region_uses[pos[copy]] = param_uses(inner, _positions(region.graph))
-        self.uses = param_uses({env[n]: name for n, name in top.items()}, pos)
+            self.region_uses[pos[call]] = param_uses(inner, _positions(region.graph))
+        # a region call fetches its own (rewrite() moves them in): not a read of the top graph
+        calls = {self.nodes[i] for i in self.region_uses}
+        self.uses = param_uses(top, pos, skip=calls)
         # backward, last node first: a region's recomputation, or a node's saved parameters
         self.backward: list[tuple[int, tuple[str, ...]]] = []
         for i in reversed(range(len(self.nodes))):

@@ -1,5 +1,7 @@
 """chunk_schedule: fetch/release placement, aliases, split fetches, the plan and its checks."""
 
+import random
+
 import pytest
 import torch
 from conftest import activation_budget, assert_same_step, check_golden, tiny_gpt, tokens
@@ -7,7 +9,7 @@ from torch import nn
 
 from fxstar.dump import dump
 from fxstar.engine import compile
-from fxstar.passes.chunk_schedule import ChunkScheduleError
+from fxstar.passes.chunk_schedule import BusyChunks, ChunkScheduleError
 from fxstar.plan import Plan
 from fxstar.runtime import ops
 
@@ -155,3 +157,18 @@ def test_an_edited_plan_is_honoured_and_refining_makes_a_new_stage():
         assert "refined from a traced step" in engine.report()
         runs[share] = engine.chunks.stats.evictions
     assert runs["edited"] > runs[None]
+
+
+def test_busy_chunks_counts_other_chunks_read_in_between_as_the_definition():
+    """BusyChunks skips runs of one chunk's reads; against counting every other chunk with a
+    read strictly inside the stretch, on random reads with repeats and shared positions."""
+    rng = random.Random(0)
+    for _ in range(200):
+        reads = [(rng.randrange(40), rng.randrange(5)) for _ in range(rng.randrange(1, 30))]
+        busy = BusyChunks(list(reads))
+        for _ in range(20):
+            chunk, a = rng.randrange(5), rng.randrange(-1, 41)
+            b = rng.randrange(a, 42)
+            others = {c for p, c in reads if a < p < b and c != chunk}
+            for limit in (1, 2, 3):
+                assert busy.between(chunk, a, b, limit) == min(len(others), limit)
