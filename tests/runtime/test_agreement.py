@@ -2,8 +2,8 @@
 raise within plan.dist_timeout instead of hanging.
 
 The messages are built in-process from fingerprints; one spawn (world size 2, gloo) checks
-what really happens between ranks: a differing plan option, differing initial parameters, and
-a rank that skips a step.
+what really happens between ranks: a differing plan option, differing initial parameters,
+ranks fed different inputs, and a rank that skips a step.
 """
 
 import time
@@ -106,6 +106,13 @@ def _worker(rank: int, world: int) -> dict:
     # agreeing ranks train; then rank 1 skips a step and rank 0 must not wait for it for long
     engine = fxstar.compile(tiny_gpt(dropout=0.0), _plan(), args)
     engine(*args).backward()
+    # each rank fed its own batch (data sharded over every rank, not over replicas): both
+    # refuse it at the forward's first collective, then train on
+    try:
+        engine(*tokens(seed=2 + rank)).backward()
+    except tp.CollectiveError as error:
+        out["inputs"] = str(error)
+    engine(*args).backward()
     if rank == 0:
         start = time.monotonic()
         try:
@@ -126,6 +133,10 @@ def test_ranks_that_disagree_or_stop_raise_clear_errors_on_every_rank():
     assert param_errors[0] is not None and param_errors[0] == param_errors[1]
     assert "wte.weight: rank 0: float32[64,32] crc32=" in param_errors[0]
     assert "plan." not in param_errors[0]  # only the parameters differ
+    inputs = [r.get("inputs") for r in results]
+    assert inputs[0] is not None and inputs[0] == inputs[1]
+    assert "the tensor-parallel ranks were fed different inputs: rank 0: crc32=" in inputs[0]
+    assert "feed every rank of a tensor-parallel group the same batch" in inputs[0]
     skipped = results[0]["skipped"]
     # the first collective of the forward: the vocab-parallel embedding's sum
     assert "in vocab_embedding forward on rank 0 of 2 timed out after 5 s" in skipped
