@@ -12,7 +12,6 @@ import contextlib
 import copy
 import linecache
 import os
-import sys
 import threading
 import time
 import traceback
@@ -24,6 +23,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from fxstar.autograd_functions import FunctionNotKept
+from fxstar.autograd_functions import kept_functions as _autograd_functions
 from fxstar.errors import CaptureError
 from fxstar.program import EXPORT, SYMBOLIC_TRACE, InputSlot, ParamInfo, Program, buffers_restored
 
@@ -35,6 +36,14 @@ _KINDS = {
     InputKind.CONSTANT_TENSOR: "constant",
     InputKind.USER_INPUT: "input",
 }
+
+
+# One capture at a time in a process, of one engine or of several: torch.export is not
+# thread-safe. What it patches while it traces is process-wide (dynamo's and export's config
+# and caches, the fx tracing state, and the autograd.Function hook `_autograd_functions`
+# swaps in here, which two captures at once would restore out of order and leave behind), so
+# no finer lock would do.
+_CAPTURE_LOCK = threading.RLock()
 
 
 class LossWrapper(nn.Module):
@@ -70,6 +79,11 @@ def capture(
     With `plan.loss_fn` set, the model is wrapped in a LossWrapper (the targets are the last
     positional argument). The model is captured in its current training mode.
     """
+    with _CAPTURE_LOCK:
+        return _capture(model, args, kwargs, plan, dynamic_shapes, method)
+
+
+def _capture(model, args, kwargs, plan, dynamic_shapes, method) -> Program:
     start = time.perf_counter()
     kwargs = dict(kwargs or {})
     loss_fn = getattr(plan, "loss_fn", None)
@@ -95,7 +109,7 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
     start = time.perf_counter()
     try:
         with (
-            _autograd_functions() as functions,
+            _autograd_functions(),
             _buffer_assignments(root),
             _meta_as_fake(root, args, kwargs) as traced,
         ):
@@ -105,8 +119,6 @@ def _capture_export(root, model, prefix, args, kwargs, plan, dynamic_shapes) -> 
     except Exception as error:  # noqa: BLE001 - any failure becomes a CaptureError
         raise _capture_error(error, root, prefix) from error
     export_seconds = time.perf_counter() - start
-    if functions:
-        raise _function_error(functions)
 
     def model_name(target: str) -> str:
         return target[len(prefix) :] if prefix and target.startswith(prefix) else target
@@ -210,31 +222,6 @@ def _meta_as_fake(root: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[
 
 
 @contextlib.contextmanager
-def _autograd_functions() -> Iterator[list[type]]:
-    """The custom autograd.Functions applied while tracing (in this thread). Export inlines
-    a Function's forward and keeps no trace of its backward: the graph would train on
-    autograd's derivative of the forward instead (a straight-through estimator gets zero)."""
-    # Function.apply looks this helper up on every call, also through an `apply` bound before
-    # (`self.fn = MyFunction.apply`): the one place every application passes
-    module = torch.autograd.function
-    found: list[type] = []
-    original = module._is_setup_context_defined
-    thread = threading.get_ident()
-
-    def seen(fn):
-        cls = sys._getframe(1).f_locals.get("cls")
-        if threading.get_ident() == thread and _user_function(cls) and cls not in found:
-            found.append(cls)
-        return original(fn)
-
-    module._is_setup_context_defined = seen
-    try:
-        yield found
-    finally:
-        module._is_setup_context_defined = original
-
-
-@contextlib.contextmanager
 def _buffer_assignments(root: nn.Module) -> Iterator[None]:
     """Write a buffer that a submodule's forward assigns (`self.ema = self.ema * 0.9 + m`) in
     place, while tracing (in this thread). Export turns such an assignment into a copy into
@@ -273,26 +260,6 @@ def _buffer_assignments(root: nn.Module) -> Iterator[None]:
         yield
     finally:
         handle.remove()
-
-
-def _user_function(cls: Any) -> bool:
-    """Not torch's own: a custom op's autograd wrapper is a Function that the op keeps whole,
-    and torch's others (reentrant checkpoint) differentiate as their forward does."""
-    return isinstance(cls, type) and not cls.__module__.startswith(("torch.", "fxstar."))
-
-
-def _function_error(functions: list[type]) -> CaptureError:
-    names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in functions)
-    return CaptureError(
-        f"the model applies custom torch.autograd.Function(s) {names}: torch.export inlines "
-        "their forward and drops their backward, so training would silently use autograd's "
-        "derivative of the forward instead (zero for a straight-through round)",
-        hint=(
-            "make it a torch.library.custom_op with register_autograd (kept whole, backward "
-            "included), or write it with differentiable ops (a straight-through estimator is "
-            "`x + (torch.round(x) - x).detach()`)"
-        ),
-    )
 
 
 def _distinct_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -402,6 +369,8 @@ def _capture_error(error: BaseException, root: nn.Module, prefix: str) -> Captur
 
 
 def _hint(error: BaseException) -> str:
+    if isinstance(error, FunctionNotKept):
+        return error.hint
     text = f"{type(error).__name__}: {error}"
     if "pytree" in text or "not a known type" in text:
         return (

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from fxstar.capture import capture
 from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
 from fxstar.mesh import DP_GROUP, MESH_GROUP, data_parallel_size, mesh_layout, sharded_payloads
+from fxstar.model_snapshot import AttributeState, ModelSnapshot
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
@@ -73,6 +75,18 @@ class _CaptureCheck:
 
     name = "capture"
     tolerance = None
+
+
+def _whole_state(method: Callable) -> Callable:
+    """`method` runs under Engine._between_steps: the engine's lock, once no other thread has
+    a step open (reads and writes of the whole training state)."""
+
+    @functools.wraps(method)
+    def whole(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        with self._between_steps():
+            return method(self, *args, **kwargs)
+
+    return whole
 
 
 class Engine(nn.Module):
@@ -132,8 +146,13 @@ class Engine(nn.Module):
         _claim(model, self)
         self._closed = False
         self._builds_cache = _builds_cache(model)
-        # forward and step change the chunks' state: one thread at a time (a second waits)
+        # forward and step change the chunks' state: one thread at a time (a second waits).
+        # A step (forward .. step()/zero_grad()) is its thread's: another thread's forward
+        # meanwhile is refused (it would interleave with that step's backward, which runs
+        # outside any lock); save, load and the state and gradient reads wait for it to end.
         self._lock = threading.RLock()
+        self._step_ended = threading.Condition(self._lock)
+        self._step_thread: threading.Thread | None = None  # whose step is open
         self._fed: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # see _check_model
 
     # -- running ------------------------------------------------------------------------------
@@ -142,7 +161,47 @@ class Engine(nn.Module):
         if self._closed:
             raise EngineStateError("the engine was closed; compile the model again to train on")
         with self._lock:
-            return self._forward(args, kwargs)
+            self._refuse_other_threads_step()
+            output = self._forward(args, kwargs)
+            if torch.is_grad_enabled():  # a graph to run backward on: this thread's step
+                self._step_thread = threading.current_thread()
+            return output
+
+    def _open_step_elsewhere(self) -> threading.Thread | None:
+        """The other thread whose step is open, if any (one that ended left its step to the
+        threads that come next, as an abandoned forward in one thread is)."""
+        owner = self._step_thread
+        if owner is None or owner is threading.current_thread():
+            return None
+        if not owner.is_alive():
+            self._step_thread = None
+            return None
+        return owner
+
+    def _refuse_other_threads_step(self) -> None:
+        owner = self._open_step_elsewhere()
+        if owner is not None:
+            raise EngineStateError(
+                f"engine forward in thread {threading.current_thread().name!r} while thread "
+                f"{owner.name!r} has a step open (its forward ran; its engine.step() or "
+                "zero_grad() has not): the two forwards and backwards would mix their chunks "
+                "and gradients. Train one engine from one thread, or end the other thread's "
+                "step first (engine.step() or engine.zero_grad())"
+            )
+
+    def _end_step(self) -> None:
+        self._step_thread = None
+        self._step_ended.notify_all()
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """The engine's lock, once no other thread has a step open: what is read or written
+        meanwhile (parameters, optimizer state, gradients, the step count) is whole, never
+        halfway through another thread's step. A step open in this thread is its own."""
+        with self._lock:
+            while self._open_step_elsewhere() is not None:
+                self._step_ended.wait(timeout=1.0)  # also wakes to see whether it has ended
+            yield
 
     def _forward(self, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         tp.begin_forward(self, args, kwargs)  # ranks out of step raise (runtime/step_check)
@@ -203,7 +262,8 @@ class Engine(nn.Module):
 
     def prepare(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for these inputs, captured (and passes run) if not cached yet."""
-        return self._program_for(*self._compute_inputs(args, kwargs))
+        with self._lock:
+            return self._program_for(*self._compute_inputs(args, kwargs))
 
     def _program_for(self, args: tuple, kwargs: Mapping[str, Any]) -> Program:
         """prepare() for inputs already as the graph takes them (_compute_inputs)."""
@@ -231,6 +291,61 @@ class Engine(nn.Module):
         return (self.model.training, str(spec), tuple(parts))
 
     def _compile(self, args: tuple, kwargs: Mapping[str, Any]) -> Program:
+        """Capture and passes for one input signature; the first one under the chunk passes
+        also moves the parameters into their chunks and writes a meta model's weights. A
+        compile that raises (at any step: passes, budgets, weights, agreement) leaves the
+        model and this engine as it found them; the original parameters' storage is given
+        back (release_after_init) only once every step succeeded."""
+        rollback = self._rollback_point()
+        try:
+            program, release = self._compile_steps(args, kwargs)
+        except BaseException:
+            rollback()
+            raise
+        release_storage(release)
+        return program
+
+    def _rollback_point(self) -> Callable[[], None]:
+        """What `_compile` may change, and the function that puts it back: the model (and the
+        low-precision copy traced in its place: fxstar/model_snapshot.py), the parameter
+        store, the engine-wide pass decisions (process groups made stay: every rank made
+        them), the chunks, the weights' report."""
+        models = (self.model,) if self.traced is self.model else (self.model, self.traced)
+        snapshot = ModelSnapshot(*models)
+        # the store's tables, and the parts of each derived parameter (rebind replaces them)
+        store = [AttributeState(self.store), *map(AttributeState, self.store._derived.values())]
+        chunks, shared = self.chunks, dict(self.shared)
+        fields = {name: copy.copy(getattr(self, name))
+                  for name in ("_weights_line", "_fed", "_buffer_values")}  # fmt: skip
+
+        def rollback() -> None:
+            if self.chunks is not chunks:
+                self._discard_chunks()
+            for key in [k for k in self.shared if k not in shared]:
+                if key not in (TP_GROUP, DP_GROUP, MESH_GROUP):
+                    del self.shared[key]
+            self.shared.update(shared)
+            for name, value in fields.items():
+                setattr(self, name, value)
+            for state in store:
+                state.restore()
+            snapshot.restore()
+
+        return rollback
+
+    def _discard_chunks(self) -> None:
+        """A chunk manager made by a compile that raised goes, its homes' values with it (no
+        one holds its parameters: close() alone would first copy each out of its home)."""
+        chunks, self.chunks = self.chunks, None
+        with torch.no_grad():
+            for stable in chunks.stable.values():
+                stable.data = stable.data.new_empty(0)
+        chunks.close()
+
+    def _compile_steps(self, args: tuple, kwargs: Mapping[str, Any]
+                       ) -> tuple[Program, list[torch.Tensor]]:  # fmt: skip
+        """_compile's work; also returns the model's tensors whose storage is to be given back
+        (release_after_init) once it has all succeeded."""
         with torch.enable_grad():
             program = capture(
                 self.traced,
@@ -253,7 +368,7 @@ class Engine(nn.Module):
             check(_CaptureCheck(), program)
         program = self.pass_manager.run(program, check=check)
         first_chunks = self.chunks is None
-        self._setup_chunks(program)
+        release = self._setup_chunks(program)
         self._fill_weights()
         for runtime in ops.runtimes(program.graph_module):
             runtime.manager = self.chunks  # the graph calls this engine's manager, no other
@@ -265,7 +380,7 @@ class Engine(nn.Module):
             (name, module, attr, module._parameters[attr])
             for name, module, attr in _parameter_slots(self.model)
         ]
-        return program
+        return program, release
 
     def _check_model(self) -> None:
         """Before every run: the model's parameters are still the tensors this engine trains.
@@ -319,12 +434,13 @@ class Engine(nn.Module):
             weakref.finalize(self, group.release).atexit = False
         agreement.agree(program, self.shared[TP_GROUP], tensors=first)
 
-    def _setup_chunks(self, program: Program) -> None:
+    def _setup_chunks(self, program: Program) -> list[torch.Tensor]:
         """Once per engine, after the chunk passes: the ChunkManager takes the parameters over.
         The model's parameters become the stable views of the chunks' host homes, so the model,
-        the engine and any optimizer keep seeing one set of tensors."""
+        the engine and any optimizer keep seeing one set of tensors. Returns the model's own
+        tensors whose storage release_after_init gives back once the compile succeeded."""
         if program.decisions.chunk_layout is None or self.chunks is not None:
-            return
+            return []
         # fp32 masters: the model's own parameters, and the parts a pass cut from one (tiles,
         # a rank's shard) cut the same way from it: never a full tensor where a part is fed,
         # nor (bf16/fp16) parts cut from the rounded copy
@@ -353,13 +469,12 @@ class Engine(nn.Module):
                     originals.append(own[alias])
                     owner, _, attr = alias.rpartition(".")
                     setattr(self.model.get_submodule(owner), attr, stable)
-        if self.plan.release_after_init:
-            kept = {
-                p.untyped_storage().data_ptr() for p in self.model.parameters() if not p.is_meta
-            }  # parameters kept out of the chunks (cpu_embedding)
-            release_storage(
-                p for p in originals if p.is_meta or p.untyped_storage().data_ptr() not in kept
-            )
+        if not self.plan.release_after_init:
+            return []
+        kept = {
+            p.untyped_storage().data_ptr() for p in self.model.parameters() if not p.is_meta
+        }  # parameters kept out of the chunks (cpu_embedding)
+        return [p for p in originals if p.is_meta or p.untyped_storage().data_ptr() not in kept]
 
     def _fill_weights(self) -> None:
         """Once, for a model built on the meta device: its parameters are views of their chunk
@@ -482,7 +597,10 @@ class Engine(nn.Module):
         with gradient clipping if planned, then gradients zeroed. True when it stepped. Safe
         to call from several threads: steps run one after the other."""
         with self._lock:
-            return self._step()
+            try:
+                return self._step()
+            finally:
+                self._end_step()
 
     def _step(self) -> bool:
         self._micro_steps += 1
@@ -532,6 +650,7 @@ class Engine(nn.Module):
         total, _ = norm.decide(sum_sq(shards), sum_sq(rest), True)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total**0.5))
 
+    @_whole_state
     def gradients(self) -> dict[str, torch.Tensor | None]:
         """This step's gradient of every parameter under the model's names: parts a pass cut
         (tiles, shards) glued back, and under bf16/fp16 read from the chunks' gradient
@@ -584,6 +703,7 @@ class Engine(nn.Module):
         self._registered_state[name] = obj
         return obj
 
+    @_whole_state
     def training_state(self) -> dict[str, Any]:
         """Step, RNG states, optimizer state and what is registered (see fxstar.saving);
         `state_dict()` stays the model's, so the eager model can load it."""
@@ -591,13 +711,16 @@ class Engine(nn.Module):
 
         return training_state(self)
 
+    @_whole_state
     def save(self, path: str | os.PathLike) -> str:
         """Write a checkpoint directory (parameters in safetensors, training state in JSON and
-        safetensors), replacing any previous one atomically."""
+        safetensors), replacing any previous one atomically. Called while another thread has
+        a step open, it waits for that step's engine.step() (or zero_grad())."""
         from fxstar.saving import save
 
         return str(save(self, path))
 
+    @_whole_state
     def load(self, path: str | os.PathLike, *, strict: bool = True, rng: bool = True) -> Any:
         """Restore a checkpoint in place: parameters, optimizer, scheduler, step and RNG.
         Returns the `fxstar.saving.Checkpoint` read; the parameters are read one tensor at a
@@ -623,6 +746,7 @@ class Engine(nn.Module):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return self.model.named_buffers(prefix, recurse, remove_duplicate)
 
+    @_whole_state
     def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """The model's keys, shapes and dtypes, whatever passes (or bf16/fp16, whose traced
         copy holds low-precision buffers) did to the tensors. Collective under tensor
@@ -636,6 +760,7 @@ class Engine(nn.Module):
             own = {k: v.dtype for k, v in self.model.state_dict().items()}
         return {prefix + k: v.to(own.get(k, v.dtype)) for k, v in state.items()}
 
+    @_whole_state
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's state dict without a collective: with sharded data-parallel payloads
         the other ranks' chunks are meta tensors (their names and shapes)."""
@@ -669,6 +794,7 @@ class Engine(nn.Module):
 
         self.model.register_state_dict_post_hook(gather)
 
+    @_whole_state
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
@@ -678,15 +804,18 @@ class Engine(nn.Module):
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.chunks is not None:
-            self.chunks.zero_grad(set_to_none)  # also what low-precision chunks hold
-        for _, p in self.store.named_parameters():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.zero_()
+        """Gradients dropped, and the step open (forward .. step) ended."""
+        with self._lock:
+            if self.chunks is not None:
+                self.chunks.zero_grad(set_to_none)  # also what low-precision chunks hold
+            for _, p in self.store.named_parameters():
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+            self._end_step()
 
     def _apply(self, fn, recurse: bool = True):
         if self.chunks is not None or self.traced is not self.model:
@@ -712,18 +841,19 @@ class Engine(nn.Module):
         arena, host chunks and optimizer state. The model keeps its current values (its
         parameters get storage of their own) and can be compiled again. Dropping the last
         reference to an engine frees the same, later."""
-        if self._closed:
-            return
-        if self.chunks is not None:
-            self.chunks.close()
-        for key in (TP_GROUP, DP_GROUP, MESH_GROUP):
-            tp.release_group(self.shared.pop(key, None))
-        self._closed = True
-        self.programs.clear()
-        self._optimizer = None
-        self.chunks = None
-        if _owner(self.model) is self:
-            del self.model.__dict__[OWNER]
+        with self._lock:  # not while a forward or step runs
+            if self._closed:
+                return
+            if self.chunks is not None:
+                self.chunks.close()
+            for key in (TP_GROUP, DP_GROUP, MESH_GROUP):
+                tp.release_group(self.shared.pop(key, None))
+            self._closed = True
+            self.programs.clear()
+            self._optimizer = None
+            self.chunks = None
+            if _owner(self.model) is self:
+                del self.model.__dict__[OWNER]
 
     def __enter__(self) -> Engine:
         return self
@@ -965,9 +1095,19 @@ def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
     check_chunk_options(plan)
     if plan.seed is not None:
         torch.manual_seed(plan.seed)
-    engine = Engine(model, plan, dynamic_shapes=dynamic_shapes, method=method, weights=weights)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    if example_inputs or example_kwargs:
-        engine.prepare(*example_inputs, **dict(example_kwargs or {}))
+    # a compile that raises leaves the model as it was given (fxstar/model_snapshot.py)
+    snapshot = ModelSnapshot(model)
+    engine = None
+    try:
+        engine = Engine(model, plan, dynamic_shapes=dynamic_shapes, method=method,
+                        weights=weights)  # fmt: skip
+        if example_inputs or example_kwargs:
+            engine.prepare(*example_inputs, **dict(example_kwargs or {}))
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        snapshot.restore()
+        raise
     return engine
