@@ -111,6 +111,7 @@ FAILURES = {
     "meta bf16: weights missing": ("meta", {"device_memory": "auto", "precision": "bf16"},
                                    missing, None),
     "meta: device_memory too small": ("meta", {"device_memory": 1000}, None, None),
+    "meta: no weights file": ("meta", {"device_memory": "auto"}, "no file", None),
     # injected at each later step
     "rank agreement": ("host", {"device_memory": "auto"}, None,
                        lambda mp: mp.setattr(engine_module.Engine, "_agree_ranks", raising)),
@@ -143,9 +144,9 @@ def test_a_compile_that_raises_leaves_the_model_as_it_found_it(failure, tmp_path
     kind, options, edit, inject = FAILURES[failure]
     ids, targets = tokens()
     model = tiny_gpt() if kind == "host" else on_meta()
-    weights = weights_file(tmp_path, edit) if kind == "meta" else None
-    if kind == "meta" and edit is None:
-        weights = weights_file(tmp_path)
+    weights = None
+    if kind == "meta":
+        weights = tmp_path / "absent" if edit == "no file" else weights_file(tmp_path, edit)
     plan = plan_of(options)
     before = state_of(model)
     if inject is not None:
@@ -171,15 +172,22 @@ def test_a_compile_that_raises_leaves_the_model_as_it_found_it(failure, tmp_path
     assert expected.isfinite()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_lazy_compile_that_raises_leaves_the_engine_able_to_compile(precision, monkeypatch):
+LAZY = {
+    "fp32": {},
+    "bf16": {"precision": "bf16"},
+    "tiled": {"tiled_linear": {"in_splits": 2, "out_splits": 2}},  # parts derived in the store
+}
+
+
+@pytest.mark.parametrize("options", list(LAZY))
+def test_a_lazy_compile_that_raises_leaves_the_engine_able_to_compile(options, monkeypatch):
     """Compiled at the first call: the failed compile is undone in the engine too (its
     chunks, parameter store and low-precision copy), and the next call compiles and trains
     like an engine that never failed."""
     ids, targets = tokens()
     model, twin = tiny_gpt(dropout=0.0), tiny_gpt(dropout=0.0)
-    plan = fxstar.Plan(device_memory=paging_budget(), precision=precision,
-                       release_after_init=True, optimizer={"lr": 1e-2})  # fmt: skip
+    plan = fxstar.Plan(device_memory=paging_budget(), release_after_init=True,
+                       optimizer={"lr": 1e-2}, **LAZY[options])  # fmt: skip
     engine = fxstar.compile(model, plan)
     before = state_of(model)
     monkeypatch.setattr(engine_module.Engine, "_fill_weights", raising)
