@@ -26,6 +26,7 @@ PLANS = {
     "chunks": lambda: Plan(device_memory=paging_budget()),
     "bf16": lambda: Plan(precision="bf16"),
     "fp16": lambda: Plan(precision="fp16"),
+    "checkpoint+offload": lambda: Plan(checkpoint="blocks", offload_activations=True),
     "chunks+checkpoint": lambda: Plan(device_memory=paging_budget(), checkpoint="blocks"),
     "bf16+chunks+offload": lambda: Plan(device_memory=paging_budget(), precision="bf16",
                                         checkpoint="blocks", offload_activations=True),
