@@ -172,14 +172,25 @@ class Quantized(nn.Module):
 
 
 @pytest.mark.parametrize("function", [StraightThrough, CustomGelu], ids=["ste", "gelu"])
-def test_a_custom_autograd_function_is_refused_by_name(function):
-    """Export inlines its forward and drops its backward: never train on that silently."""
+def test_a_custom_autograd_function_keeps_its_backward(function):
+    """One node running the Function's own forward and backward (export alone would inline the
+    forward and train on its derivative: zero for the straight-through round)."""
     from fxstar.engine import compile
 
+    torch.manual_seed(0)
+    eager = Quantized(function.apply)
     model = Quantized(function.apply)
-    with pytest.raises(CaptureError, match=function.__qualname__) as info:
-        compile(model, Plan(), example_inputs=(torch.randn(4, 8), torch.randn(4, 1)))
-    assert "custom_op" in str(info.value)
+    model.load_state_dict(eager.state_dict())
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    engine = compile(model, Plan(), example_inputs=(x, y))
+    targets = [str(n.target) for n in engine.program.graph_module.graph.nodes]
+    assert f"fxstar_fn.{function.__qualname__}" in " ".join(targets)
+    assert "aten.round.default" not in targets and "aten.gelu.default" not in targets
+    eager(x, y).backward()
+    engine(x, y).backward()
+    assert eager.lin.weight.grad.abs().sum() > 0
+    for p, q in zip(eager.parameters(), engine.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_a_custom_op_keeps_its_backward():
