@@ -126,3 +126,44 @@ FAMILIES: dict[str, tuple[Callable, Callable[[int], dict]]] = {
         _lm_batch,
     ),  # fmt: skip
 }
+
+
+def _mamba(seed: int = 0):
+    t = pytest.importorskip("transformers")
+    config = t.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, **IDS)
+    torch.manual_seed(seed)
+    return t.MambaForCausalLM(config)
+
+
+MIXER_FAMILIES: dict[str, tuple[Callable, Callable[[int], dict]]] = {
+    "olmo2": (  # RMSNorm on q and k over the whole projection, before the heads' view
+        _causal("Olmo2Config", "Olmo2ForCausalLM", max_position_embeddings=32),
+        _lm_batch,
+    ),
+    "cohere": (  # interleaved rotary by aten.stack; parallel attention and MLP; logit scale
+        _causal("CohereConfig", "CohereForCausalLM", max_position_embeddings=32),
+        _lm_batch,
+    ),
+    "deepseek_v3": (  # MLA: low-rank q and kv, a rotary part shared by the heads; MoE
+        _causal(
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            max_position_embeddings=32,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        _lm_batch,
+    ),
+    "mamba": (_mamba, _lm_batch),  # a selective state-space mixer, no attention
+}
+"""Families whose attention or mixer is unlike the ones above (small sizes, defaults
+otherwise): kept apart from FAMILIES, which every family test runs through."""

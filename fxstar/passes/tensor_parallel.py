@@ -168,7 +168,10 @@ class _Rewrite:
         for site in s.sites:
             self._replace_site(site)
         for name, how in s.reduced.items():
-            self._all_reduce(name, how)
+            if how in ("rms_norm", "layer_norm"):
+                self._norm(name, how)
+            else:
+                self._all_reduce(name, how)
         if s.vocab is not None:
             self._vocab(s.vocab)
         self._boundaries(s.scatters, tp.scatter_to_seq, "scatter")
@@ -206,6 +209,60 @@ class _Rewrite:
         old.replace_all_uses_with(new)
         self.program.remove_input(old)
         self.nodes[name] = new
+
+    def _collective(self, fn, x: fx.Node, name: str) -> fx.Node:
+        kwargs = {"mem_saving": self.mem_saving, "group": self.group_node}
+        return self.graph.create_node("call_function", fn, (x,), kwargs, name=name)
+
+    def _norm(self, name: str, how: str) -> None:
+        """A norm over the split last dim, in aten ops: each statistic the mean of the ranks'
+        means (all-reduced; its gradient, partial on each rank, summed where split work
+        reads it), computed in fp32 as torch's norms compute, weight and bias split."""
+        node = self.nodes[name]
+        aten, g = torch.ops.aten, self.graph
+        layer = how == "layer_norm"
+        x = node.args[0]
+        weight = node.args[2] if len(node.args) > 2 else None
+        bias = node.args[3] if layer and len(node.args) > 3 else None
+        eps = node.args[4 if layer else 3] if len(node.args) > (4 if layer else 3) else None
+        val = x.meta["val"]
+        if eps is None:
+            eps = 1e-5 if layer else torch.finfo(val.dtype).eps
+        full, stat, f32 = tuple(val.shape), (*val.shape[:-1], 1), torch.float32
+        made: list[tuple[fx.Node, tuple, torch.dtype]] = []
+
+        def op(fn, *args, shape=full, dtype=f32, name=None) -> fx.Node:
+            new = g.create_node("call_function", fn, args, name=name)
+            made.append((new, shape, dtype))
+            return new
+
+        def across(local: fx.Node, label: str) -> fx.Node:
+            total = self._collective(tp.all_reduce_forward, local, f"all_reduce_{label}")
+            mean = op(aten.div.Tensor, total, self.n, shape=stat)
+            summed = self._collective(tp.grad_all_reduce, mean, f"grad_reduce_{label}")
+            made.extend(((total, stat, f32), (summed, stat, f32)))
+            return summed
+
+        with g.inserting_before(node):
+            xf = op(aten.to.dtype, x, f32)
+            centred = xf
+            if layer:
+                mu = across(op(aten.mean.dim, xf, [-1], True, shape=stat), f"mean_{name}")
+                centred = op(aten.sub.Tensor, xf, mu)
+            square = op(aten.pow.Tensor_Scalar, centred, 2)
+            var = across(op(aten.mean.dim, square, [-1], True, shape=stat), f"var_{name}")
+            inv = op(aten.rsqrt.default, op(aten.add.Tensor, var, eps, shape=stat), shape=stat)
+            out = op(aten.to.dtype, op(aten.mul.Tensor, centred, inv), val.dtype, dtype=val.dtype)
+            for param, fn in ((weight, aten.mul.Tensor), (bias, aten.add.Tensor)):
+                if isinstance(param, fx.Node):
+                    out = op(fn, out, param, dtype=node.meta["val"].dtype)
+        for new, shape, dtype in made:
+            new.meta["val"] = _shaped_val(val, shape, dtype)
+            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            note(new, "tp", f"{how} across ranks")
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        self.nodes[name] = out
 
     def _all_reduce(self, name: str, how: str) -> None:
         """A sum or mean over the split dim: each rank's partial, all-reduced (a mean of
@@ -371,12 +428,14 @@ def _local_shape(shape: Any, n: int) -> tuple[int, ...]:
     return tuple(local)
 
 
-def _shaped_val(val: Any, shape: tuple[int, ...]) -> Any:
-    """`val`'s metadata with shape `shape` (a scatter's block, a gather's full tensor)."""
+def _shaped_val(val: Any, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> Any:
+    """`val`'s metadata with shape `shape` (a scatter's block, a gather's full tensor), and
+    `dtype` when given."""
     if not isinstance(val, torch.Tensor):
         return val
+    dtype = dtype or val.dtype
     mode = getattr(val, "fake_mode", None)
     if mode is None:
-        return torch.empty(shape, dtype=val.dtype, device="meta")
+        return torch.empty(shape, dtype=dtype, device="meta")
     with mode:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
+        return torch.empty(shape, dtype=dtype, device=val.device)

@@ -218,7 +218,6 @@ class Carrier:
                 assumed.update(missing)
         if carried.reduce is not None:
             self.reduced[node.name] = carried.reduce
-            return
         if carried.shard is None:
             return
         self.shard[node] = carried.shard

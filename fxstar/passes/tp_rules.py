@@ -71,7 +71,9 @@ class Carried:
 
     shard: Shard | None
     args: tuple | None = None
-    reduce: str | None = None  # 'sum' | 'mean': each rank holds a partial of the whole output
+    # 'sum' | 'mean': each rank holds a partial of the whole output; 'rms_norm' | 'layer_norm':
+    # a norm over the split dim, its statistics summed across ranks
+    reduce: str | None = None
 
 
 # cpu_embedding's moves of ids and rows between tiers: a split passes through them as it is
@@ -593,11 +595,21 @@ def _reduction(c: Call) -> Carried:
 
 @_rule("norm", "layer_norm", "rms_norm")
 def _norm(c: Call) -> Carried:
-    """Normalises over the trailing normalized_shape dims (a per-head q/k norm passes)."""
+    """Normalises over the trailing normalized_shape dims (a per-head q/k norm passes). Over
+    the split last dim alone (a norm over a whole sharded projection) its weight and bias are
+    split with it and its statistics summed across ranks (`reduce` names the norm: the
+    rewrite computes it so)."""
     s, nd = c.x_shard, len(c.in_shape)
-    if s.dim >= nd - len(c.node.args[1]):
-        raise Refusal(f"normalises over the split dim {s.dim}")
-    return Carried(s)
+    if s.dim < nd - len(c.node.args[1]):
+        return Carried(s)
+    if len(c.node.args[1]) != 1 or s.parts > 1 or c.node.kwargs:
+        raise Refusal(f"normalises over the split dim {s.dim} and others, or given keywords")
+    params = c.node.args[2:4] if op_name(c.node) == "layer_norm" else c.node.args[2:3]
+    params = [p for p in params if isinstance(p, fx.Node)]
+    needs = tuple((p, 0) for p in params if c.shard(p) is None)
+    if needs:
+        raise Refusal(f"normalises over the split dim {s.dim} with an unsplit weight", needs)
+    return Carried(s, reduce=op_name(c.node))
 
 
 def _mm_dim(split: Shard | None, nd: int, out_nd: int, rows: bool) -> int | None:

@@ -167,7 +167,7 @@ class Sharding:
         if self.split_params:
             extra += f"; {len(self.split_params)} other parameters split"
         if self.reduced:
-            extra += f"; {len(self.reduced)} sums across ranks"
+            extra += f"; {len(self.reduced)} sums or norms across ranks"
         return f"tensor parallel (size {self.size}) linears: " + "; ".join(parts) + extra
 
 

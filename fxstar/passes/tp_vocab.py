@@ -5,7 +5,8 @@ Why: replicated, the head's logits [tokens, V] are often a step's largest activa
 every rank holds the whole V x hidden matrix (twice when untied). Sharded, each rank holds
 V/N rows and V/N logits per token; the cross-entropy runs on the shards
 (`fxstar.runtime.vocab_parallel`). Automatic when the pattern is exact: one
-`cross_entropy_loss` whose logits come from a linear through views and casts only, no class
+`cross_entropy_loss` whose logits come from a linear through views, casts and per-element
+ops of the logits alone (Cohere's logit scale, a soft cap), no class
 weights or label smoothing, V divisible by the ranks. Anything else keeps the head whole and
 says why (`VocabParallel` is then None and `Sharding.vocab_off` holds the reason); a plan rule
 'replicate' on the head's module turns it off, 'column' demands it (then a misfit is an error
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from fxstar.passes.tp_rules import (
+    ELEMENTWISE,
     UNARY,
     VIEWS,
     Call,
@@ -36,7 +38,9 @@ from fxstar.program import Program
 
 __all__ = ["VocabParallel", "find_vocab"]
 
-_CHAIN = VIEWS | UNARY  # what may sit between the head and the loss (views, casts)
+# what may sit between the head and the loss: views, casts, per-element ops of the logits
+# alone (a scale, a soft cap: the same on every shard); dropout draws per rank, so not it
+_CHAIN = VIEWS | UNARY | (ELEMENTWISE - {"dropout"})
 
 
 @dataclass
@@ -87,7 +91,8 @@ def find_vocab(program: Program, rules: dict[str, str], n: int) -> tuple[VocabPa
         x = x.args[0]
     head = x
     if not isinstance(head, fx.Node) or op_name(head) != "linear":
-        return None, f"the logits of {loss.name} do not come from a linear through views"
+        return None, (f"the logits of {loss.name} do not come from a linear through views "
+                      "and per-element ops")  # fmt: skip
     path = module_path(head)
     chosen = _plan_style(path, rules)
     if chosen is not None and chosen[0] == "replicate":
