@@ -7,10 +7,13 @@ The parameters stay on the meta device until the chunks exist: capture traces th
 tensors, shape_memory measures on fake tensors, chunk_layout and chunk_schedule need shapes
 only. Then each parameter is a view of its chunk home, and `fill` gives the homes their values
 from `weights`: a safetensors file or directory (transformers' sharded layout included) read
-tensor by tensor, "init" (each module's `reset_parameters`, or transformers' own init for a
-transformers model), or a function of one module (after every module's own
+tensor by tensor (a transformers checkpoint under its model's names by transformers' own
+rules: fxstar/hf_checkpoint.py), "init" (each module's `reset_parameters`, or transformers' own
+init for a transformers model), or a function of one module (after every module's own
 `reset_parameters`, as a constructor runs them). Buffers are small: they get real storage
-before capture and their values from the same source.
+before capture and their values from the same source; those no checkpoint holds (not
+persistent) are computed by a transformers model's own init, no parameter touched
+(`compute_buffers`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 
 from fxstar.capture import is_meta
 from fxstar.errors import FxstarError, UsageError
+from fxstar.hf_checkpoint import converted_source
 from fxstar.mesh import sharded_payloads
 from fxstar.plan import resolve_device
 from fxstar.runtime.layout import ChunkPlan, spare_bytes
@@ -230,6 +234,12 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
     if sharded and everywhere and (callable(weights) or weights == "init"):
         with _lent_storage(model):
             return fill(model, weights, buffers)
+    persistent = set(model.state_dict(keep_vars=True))
+    unfilled = [name for name in buffers if name not in persistent]
+    # before reading: a buffer that cannot be computed is refused at once ('init' computes
+    # them with the rest; a function of one module may, for a model fxstar cannot compute)
+    if unfilled and weights != "init" and (is_transformers(model) or not callable(weights)):
+        compute_buffers(model, unfilled)
     if callable(weights):
         # as a constructor does: every module's own reset first, then the model's init (one
         # that touches some modules only must not leave the others' homes zero)
@@ -245,17 +255,19 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
                             elsewhere=elsewhere)  # fmt: skip
         return (f"weights: initialised in their chunk homes by {report.init} "
                 f"({len(report.modules)} modules, {report.seconds:.2f}s)")  # fmt: skip
-    persistent = set(model.state_dict(keep_vars=True))
     buffers_read = {n: b for n, b in model.named_buffers() if n in persistent}
     with WeightSource(weights) as source:  # named_parameters: one name per tied parameter
         params = dict(model.named_parameters())
         elsewhere = {n for n, p in params.items() if p.is_meta} if sharded else set()
-        report = materialize({**params, **buffers_read}, source, aliases=tied_names(model),
-                             elsewhere=elsewhere)  # fmt: skip
-    unfilled = [name for name in buffers if name not in persistent]
-    if unfilled:
-        _compute_buffers(model, unfilled)
-    return f"weights: read from {os.fspath(weights)} ({report})"
+        converted = converted_source(model, source)  # transformers' layouts: experts one by one
+        report = materialize({**params, **buffers_read}, converted or source,
+                             aliases=tied_names(model), elsewhere=elsewhere)  # fmt: skip
+    line = f"weights: read from {os.fspath(weights)} ({report}"
+    if converted is not None and converted.conversions():
+        parts = converted.conversions()
+        line += (f"; {len(parts)} assembled from {sum(map(len, parts.values()))} by "
+                 "transformers' conversion rules")  # fmt: skip
+    return line + ")"
 
 
 @contextlib.contextmanager
@@ -282,23 +294,92 @@ def _lent_storage(model: nn.Module) -> Iterator[None]:
             module._parameters[name] = param
 
 
-def _compute_buffers(model: nn.Module, names: list[str]) -> None:
-    """Buffers a checkpoint does not hold (non-persistent: rotary frequencies, masks) were
-    computed by the constructor, on the meta device: a transformers model computes them again
-    in its init of the module owning them; any other model cannot, and is refused by name."""
-    owners = {name.rpartition(".")[0] for name in names}
-    init = getattr(model, "_init_weights", None)
-    if not (is_transformers(model) and callable(init)):
+def compute_buffers(model: nn.Module, names: list[str]) -> None:
+    """Give the non-persistent buffers `names` (in no checkpoint: rotary frequencies, position
+    ids, an embedding's scale), built on the meta device, their values without touching a
+    parameter. A transformers model computes them as `from_pretrained` does, by its own init
+    (`initialize_weights`: each module's `_init_weights`), run while every parameter and every
+    other buffer is a meta stand-in marked initialised and the buffers wanted are fresh host
+    tensors. It runs twice, on tensors filled with 0 and with 1 under one random state: a
+    buffer the init leaves different is not computed by it, and is refused by name. Any other
+    model has no such init: its buffers are refused by name."""
+    fix = (
+        "give them a device in the constructor (torch.arange(..., device='cpu'): an explicit "
+        "device wins over torch.device('meta')), or build the model on the host"
+    )
+    if not is_transformers(model):
         raise UsageError(
-            f"buffers {', '.join(names)} are not in the checkpoint (not persistent) and were "
-            "built on the meta device, so they have no values: build the model with them on "
-            "the host (create it under torch.device('meta') only for parameters) or pass "
-            "weights='init'"
+            f"buffers {', '.join(names)} are not persistent (no checkpoint holds them) and were "
+            f"built on the meta device, so they have no values; fxstar computes such buffers "
+            f"through a transformers model's init only, and {type(model).__name__} is none: {fix}"
         )
+    runs = []
+    state = torch.get_rng_state()
+    try:
+        for fill_value in (0, 1):
+            torch.set_rng_state(state)
+            with _stand_ins(model, names, fill_value) as wanted:
+                try:
+                    model.initialize_weights()  # type: ignore[operator]
+                except Exception as err:
+                    raise UsageError(
+                        f"buffers {', '.join(names)} are not persistent (no checkpoint holds "
+                        f"them) and {type(model).__name__}'s init, which computes them, failed "
+                        f"on the meta device ({type(err).__name__}: {err}): {fix}"
+                    ) from err
+            runs.append(wanted)
+    finally:
+        torch.set_rng_state(state)
+    undetermined = [n for n in names if not torch.equal(runs[0][n], runs[1][n])]
+    if undetermined:
+        raise UsageError(
+            f"buffers {', '.join(undetermined)} are not persistent (no checkpoint holds them), "
+            f"were built on the meta device, and {type(model).__name__}'s init "
+            f"(_init_weights) does not compute them, so they have no values: {fix}"
+        )
+    buffers = dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
-        for owner in sorted(owners):
-            module = model.get_submodule(owner)
-            if next(module.parameters(recurse=False), None) is not None:
-                raise UsageError(f"buffers of {owner} would be recomputed by an init that "
-                                 "also resets its parameters; build it on the host")  # fmt: skip
-            init(module)
+        for name in names:
+            buffers[name].copy_(runs[0][name])
+
+
+@contextlib.contextmanager
+def _stand_ins(model: nn.Module, names: list[str], fill_value: int) -> Iterator[dict[str, Any]]:
+    """While the block runs: every parameter and every buffer but `names` a meta tensor marked
+    initialised for transformers' init (a tied one by one shared stand-in), the buffers
+    `names` fresh host tensors filled with `fill_value` (yielded by name), every module's
+    initialised mark removed; then all of it put back."""
+    wanted = set(names)
+    fresh: dict[str, torch.Tensor] = {}
+    stand: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, Any]] = []
+    marks: list[tuple[nn.Module, Any]] = []
+    for prefix, module in model.named_modules():
+        if "_is_hf_initialized" in module.__dict__:
+            marks.append((module, module.__dict__.pop("_is_hf_initialized")))
+        for kind in (module._parameters, module._buffers):
+            for attr, t in list(kind.items()):
+                if t is None:
+                    continue
+                name = f"{prefix}.{attr}" if prefix else attr
+                if name in wanted:
+                    new = fresh.setdefault(name, torch.full(t.shape, fill_value, dtype=t.dtype))
+                else:
+                    new = stand.get(id(t))
+                    if new is None:
+                        new = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                        if isinstance(t, nn.Parameter):
+                            new = nn.Parameter(new, requires_grad=t.requires_grad)
+                        new._is_hf_initialized = True  # type: ignore[attr-defined]
+                        stand[id(t)] = new
+                swapped.append((kind, attr, t))
+                kind[attr] = new
+    try:
+        yield fresh
+    finally:
+        for kind, attr, t in reversed(swapped):
+            kind[attr] = t
+        for module in model.modules():
+            module.__dict__.pop("_is_hf_initialized", None)
+        for module, mark in marks:
+            module._is_hf_initialized = mark

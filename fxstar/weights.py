@@ -520,7 +520,9 @@ def materialize(
     progress: bool | None = None,
     elsewhere: Collection[str] = (),
 ) -> ReadReport:
-    """Read each destination's tensor from `source` into it, one tensor at a time.
+    """Read each destination's tensor from `source` into it, one tensor at a time. `source`:
+    a path, a `WeightSource`, or a reader of its interface under other names (a transformers
+    checkpoint under its model's names: `fxstar.hf_checkpoint.converted_source`).
 
     A destination is found under its own name, else under another name of the same tensor:
     `aliases` ({name: [other names]}, e.g. `tied_names(model)`; a tied weight is stored once)
@@ -533,7 +535,7 @@ def materialize(
     tensor under several names are read once. `progress`: a tqdm bar on stderr; None shows one
     on a terminal for loads of PROGRESS_BYTES or more.
     """
-    owned = not isinstance(source, WeightSource)
+    owned = isinstance(source, (str, os.PathLike))
     src = WeightSource(source) if owned else source
     try:
         return _materialize(destinations, src, aliases or {}, strict, progress, elsewhere)

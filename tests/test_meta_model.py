@@ -243,3 +243,161 @@ def test_features_not_built_for_meta_models_are_refused_by_name(option):
     plan = fxstar.Plan(device_memory="auto", **option)
     with pytest.raises(UsageError, match=rf"plan\.{name}: not supported yet.*on the host"):
         fxstar.compile(_on_meta(tiny_gpt), plan, tokens(), weights="init")
+
+
+# -- transformers families whose checkpoints or buffers are unlike the model's -------------------
+
+
+def _hf(config_name, model_name, **sizes):
+    """A transformers model at its defaults but for small sizes (one layer, 4 heads)."""
+
+    def make(seed=0):
+        t = pytest.importorskip("transformers")
+        small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "max_position_embeddings": 32}  # fmt: skip
+        config = getattr(t, config_name)(**{**small, **sizes})
+        torch.manual_seed(seed)
+        return getattr(t, model_name)(config)
+
+    return make
+
+
+def _clip(seed=0):
+    t = pytest.importorskip("transformers")
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 4}  # fmt: skip
+    config = t.CLIPConfig(
+        text_config={**sizes, "vocab_size": 64, "max_position_embeddings": 16,
+                     "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1},
+        vision_config={**sizes, "image_size": 16, "patch_size": 8},
+        projection_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return t.CLIPModel(config)
+
+
+def _lm_batch():
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(2, 64, (2, 8), generator=g),
+            "labels": torch.randint(2, 64, (2, 8), generator=g)}  # fmt: skip
+
+
+def _clip_batch():
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(2, 64, (2, 8), generator=g), "return_loss": True,
+            "pixel_values": torch.randn(2, 3, 16, 16, generator=g)}  # fmt: skip
+
+
+META_FAMILIES = {
+    # experts stored one by one (experts.N.gate_proj.weight), held fused (experts.gate_up_proj)
+    "qwen2_moe": (_hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=32), _lm_batch),
+    # and renamed: block_sparse_moe.experts.N.w1 -> mlp.experts.gate_up_proj
+    "mixtral": (_hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+                    num_experts_per_tok=2), _lm_batch),
+    # a non-persistent buffer beside a parameter: the embedding's embed_scale
+    "gemma3": (_hf("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8), _lm_batch),
+    # position_ids beside the vision embeddings' class_embedding, and the text's
+    "clip": (_clip, _clip_batch),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(META_FAMILIES))
+def test_families_built_on_meta_read_their_own_checkpoint_and_train_like_the_host(
+    tmp_path, family, monkeypatch
+):
+    """save_pretrained's layout read by transformers' own rules (MoE experts into their fused
+    homes, straight from the files) and non-persistent buffers computed by transformers' init
+    with no parameter touched: loss, gradients, parameters and buffers bitwise like the host
+    model's, with the chunks paging."""
+    from fxstar.weights import WeightSource
+
+    make, batch_of = META_FAMILIES[family]
+    host = make()
+    host.save_pretrained(tmp_path)
+    batch = batch_of()
+    plan = fxstar.Plan(device_memory="auto", optimizer={"lr": 1e-2})
+    reference = _train(family, fxstar.compile(host, plan, example_kwargs=batch), None, None,
+                       batch=batch)  # fmt: skip
+    reads = []
+    real = WeightSource.read_into
+    monkeypatch.setattr(
+        WeightSource,
+        "read_into",
+        lambda self, name, out: reads.append((name, out)) or real(self, name, out),
+    )
+    meta = _on_meta(make)
+    engine = fxstar.compile(meta, plan, example_kwargs=batch, weights=tmp_path)
+    host_buffers = dict(make().named_buffers())  # before training: none of them trains
+    for name, buffer in meta.named_buffers():
+        assert torch.equal(buffer, host_buffers[name]), name
+    _same(_train(family, engine, None, None, batch=batch), reference)
+    assert engine.chunks.stats.evictions > 0
+    homes = [(c.host.data_ptr(), c.host.data_ptr() + c.host.nbytes) for c in engine.chunks.chunks]
+    experts = [(n, out) for n, out in reads if ".experts." in n]
+    assert bool(experts) == (family in ("qwen2_moe", "mixtral"))
+    for name, out in experts:  # straight into its rows of the fused chunk home
+        assert any(a <= out.data_ptr() < b for a, b in homes), name
+
+
+def test_buffers_are_computed_without_touching_a_parameter(monkeypatch):
+    """transformers' init runs on meta stand-ins of every parameter: one that writes straight
+    into a weight (not through transformers' guarded init functions) writes into nothing, and
+    the random state is as it was."""
+    from fxstar.placement import compute_buffers
+
+    model = META_FAMILIES["gemma3"][0]()
+    name = "model.embed_tokens.embed_scale"
+    expected = model.model.embed_tokens.embed_scale.clone()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.model.embed_tokens.embed_scale.zero_()
+    original = type(model)._init_weights
+
+    def hostile(self, module):
+        if isinstance(module, nn.Embedding):
+            module.weight.data.fill_(7.0)
+        original(self, module)
+
+    monkeypatch.setattr(type(model), "_init_weights", hostile)
+    state = torch.get_rng_state()
+    compute_buffers(model, [name])
+    assert torch.equal(model.model.embed_tokens.embed_scale, expected)
+    assert torch.equal(torch.get_rng_state(), state)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+        assert not p.is_meta and not hasattr(p, "_is_hf_initialized"), n
+
+
+class _Masked(nn.Module):
+    """A non-persistent buffer made in the constructor: on meta, nothing can compute it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(64, 64)
+        self.inner.register_buffer("mask", torch.ones(64), persistent=False)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.inner(x) * self.inner.mask, y)
+
+
+def test_a_buffer_nothing_computes_is_refused_by_its_full_name(tmp_path):
+    from safetensors.torch import save_model
+
+    from fxstar.placement import compute_buffers
+
+    save_model(_Masked(), str(tmp_path / "model.safetensors"))
+    x, y = torch.randn(2, 64), torch.randn(2, 64)
+    with pytest.raises(UsageError, match=r"buffers inner\.mask are not persistent.*device='cpu'"):
+        fxstar.compile(_on_meta(_Masked), fxstar.Plan(device_memory="auto"), (x, y),
+                       weights=tmp_path)  # fmt: skip
+    # a transformers model whose init computes one buffer but not the other
+    meta = _on_meta(META_FAMILIES["gemma3"][0])
+    meta.model.layers[0].mlp.register_buffer("scale", torch.ones(3), persistent=False)
+    with pytest.raises(UsageError) as err:
+        compute_buffers(meta, ["model.embed_tokens.embed_scale", "model.layers.0.mlp.scale"])
+    text = str(err.value)
+    assert "buffers model.layers.0.mlp.scale are not persistent" in text
+    assert "Gemma3ForCausalLM's init (_init_weights) does not compute them" in text
+    assert "embed_scale" not in text and "device='cpu'" in text
