@@ -71,13 +71,12 @@ class FunctionNotKept(Exception):  # noqa: N818 - capture turns it into a Captur
 
 
 class _Tracing(threading.local):
-    thread: int | None = None  # the thread whose capture routes applications
     inside = False  # running a kept Function: what it applies inside runs as it is
     outputs: tuple[pytree.TreeSpec, list[Any]] | None = None  # the last call's output structure
 
 
 _state = _Tracing()
-_owner: list[int | None] = [None]  # the capturing thread (process-wide: the swap is)
+_capturing: int | None = None  # the thread whose applications are routed (the swap is global)
 _ops: weakref.WeakKeyDictionary[type, _FunctionOps] = weakref.WeakKeyDictionary()
 _names = itertools.count()
 
@@ -86,21 +85,22 @@ _names = itertools.count()
 def kept_functions() -> Iterator[None]:
     """While the body runs (in this thread), each user Function applied with grad enabled is
     one operator call; other threads' applications run as torch wrote them."""
-    if _owner[0] is not None:  # a capture inside a capture (same thread: capture's lock)
+    global _capturing
+    if _capturing is not None:  # a capture inside a capture (same thread: capture's lock)
         yield
         return
-    _owner[0] = threading.get_ident()
+    _capturing = threading.get_ident()
     _APPLY.__code__ = _Routing.apply.__code__
     try:
         yield
     finally:
         _APPLY.__code__ = _ORIGINAL_CODE
-        _owner[0] = None
+        _capturing = None
 
 
 def _route(cls: type, args: tuple, kwargs: dict) -> Any:
     if (
-        _owner[0] != threading.get_ident()
+        _capturing != threading.get_ident()
         or _state.inside
         or not _user_function(cls)
         or not torch.is_grad_enabled()  # no backward to keep: the forward inlined is exact
@@ -124,6 +124,8 @@ def _route(cls: type, args: tuple, kwargs: dict) -> Any:
             f"cannot run on fake tensors: {type(error).__name__}: {_first_line(error)}",
             _FAKE_HINT,
         ) from error
+    if _state.outputs is None:
+        raise RuntimeError(f"{_name(cls)}'s operator {op} ran no kernel of fxstar's")
     out_spec, leaves = _state.outputs
     _state.outputs = None
     tensors = iter(tensors)
@@ -221,7 +223,7 @@ def _run(function: Callable[[], type | None], spec: pytree.TreeSpec, flat: tuple
     finally:
         _state.inside = inside
     leaves, out_spec = pytree.tree_flatten(out)
-    tracing = _owner[0] == threading.get_ident() and not inside
+    tracing = _capturing == threading.get_ident() and not inside
     if tracing:
         _check(cls, inputs, versions, leaves)
         _state.outputs = (out_spec, leaves)

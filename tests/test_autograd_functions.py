@@ -6,6 +6,7 @@ name."""
 
 import copy
 import gc
+import threading
 import weakref
 
 import pytest
@@ -229,6 +230,27 @@ def test_an_operator_goes_with_its_function_class():
     gc.collect()
     assert gone() is None
     assert all(cls.__name__ != "Local" for cls in list(_ops))
+
+
+def test_another_threads_function_runs_as_torch_wrote_it_during_a_capture():
+    """The routing is process-wide while a capture traces, but only the capturing thread's
+    applications become operator calls."""
+    seen = []
+
+    class Probe(nn.Linear):
+        def forward(self, x):
+            def elsewhere():
+                out = RoundSTE.apply(torch.full((2,), 1.4, requires_grad=True) * 1)
+                seen.append(type(out.grad_fn).__name__)
+
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            thread.join()
+            return RoundSTE.apply(super().forward(x)).sum()
+
+    program = capture(Probe(4, 4), (torch.randn(2, 4),))
+    assert seen == ["RoundSTEBackward"]
+    assert len(_kept_nodes(program)) == 1
 
 
 # -- refused by name -------------------------------------------------------------------------
