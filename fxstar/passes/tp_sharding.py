@@ -18,6 +18,7 @@ Why our own propagation: see DESIGN.md, "Tensor parallel on an export graph".
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -357,18 +358,23 @@ def _sequence_region(program: Program, sharding: Sharding, feature: set[str], n:
     graph = program.graph_module.graph
     nodes = {node.name: node for node in graph.nodes}
     columns = [s for s in sharding.sites if s.style == "column"]
-    shapes = {tuple((static_shape(nodes[s.input]) or (0, 0))[:-1]) for s in columns}
-    if len(shapes) != 1:
+    # a rank's block is cut from the flattened tokens, so inputs that hold the same tokens
+    # in another shape ([batch, 1, seq] under MLA's single latent head, [batch * seq] in an
+    # MoE block) take the same blocks; the most common shape is the hidden states'
+    shapes = [tuple((static_shape(nodes[s.input]) or (0, 0))[:-1]) for s in columns]
+    if len({math.prod(shape) for shape in shapes}) != 1:
         raise TPShardingError(
-            f"sequence parallel needs one token shape (batch, sequence) at every "
-            f"column-parallel input, found {sorted(shapes)}"
+            f"sequence parallel needs the same tokens at every column-parallel input, found "
+            f"token shapes {sorted(set(shapes))}"
         )
-    tokens = shapes.pop()
+    for shape in set(shapes):
+        if not shape or shape[-1] % n:
+            raise TPShardingError(
+                f"sequence parallel splits the sequence (dim -2 of inputs of token shape "
+                f"{list(shape)}) across {n} ranks: make it divisible"
+            )
+    tokens = max(set(shapes), key=shapes.count)
     seq = tokens[-1]
-    if seq % n:
-        raise TPShardingError(
-            f"sequence parallel splits the sequence ({seq}) across {n} ranks: make it divisible"
-        )
     sharding.seq_len = seq
     excluded = feature | {name for s in sharding.sites for name in s.nodes}
     readers = {}  # column input reader node -> site (the node that reads site.input)
