@@ -244,14 +244,9 @@ def _check(cls: type, inputs: list, versions: list, leaves: list) -> None:
                 "hide the write from the graph",
                 "return a new tensor instead of writing the input (and of ctx.mark_dirty)",
             )
-    for position, x in enumerate(leaves):
-        if x is not None and not isinstance(x, torch.Tensor):
-            raise FunctionNotKept(
-                cls,
-                f"returns a {type(x).__qualname__} (output leaf {position}): a value fixed when "
-                "the graph was traced",
-                "return tensors (or None) only",
-            )
+    # a number it returns is the trace's: fixed by the shapes and arguments (one of the
+    # tensors' values would have failed on fake tensors), or a symbol of the shapes
+    for x in leaves:
         if isinstance(x, torch.Tensor) and _unbacked(x):
             raise FunctionNotKept(
                 cls,

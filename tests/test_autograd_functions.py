@@ -194,15 +194,43 @@ def test_functions_train_like_eager_in_bf16():
         assert close_in_norm(grads[name], p.grad, 0.15), name
 
 
+class Widened(torch.autograd.Function):
+    """A dtype, a device and a tuple among the arguments; a number among the outputs."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, device, window):
+        ctx.dtype, ctx.factor = x.dtype, window[0]
+        return x.to(dtype=dtype, device=device) * window[0], x.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return (grad * ctx.factor * 3).to(ctx.dtype), None, None, None
+
+
+class WidenedNet(nn.Linear):
+    def forward(self, x):
+        y, rows = Widened.apply(super().forward(x), torch.float64, x.device, (2, 3))
+        return y.sum() / rows
+
+
 def test_a_function_with_a_dynamic_dimension_runs_other_sizes():
-    """Sizes reach a node as symbols: one capture, any batch."""
+    """Sizes reach a node as symbols, and a number the Function returns is one of them: one
+    capture, any batch, each with eager's loss and gradients."""
     torch.manual_seed(0)
-    model = Net()
-    batch = torch.export.Dim("batch", min=2, max=64)
-    program = capture(model, _batch(), dynamic_shapes=({0: batch}, {0: batch}))
-    for rows in (3, 8, 20):
-        x, y = torch.randn(rows, 16), torch.randn(rows, 1)
-        torch.testing.assert_close(program.run((x, y)), model(x, y), rtol=0, atol=0)
+    for model in (Net(), WidenedNet(16, 16)):
+        batch = torch.export.Dim("batch", min=2, max=64)
+        example = _batch() if isinstance(model, Net) else _batch()[:1]
+        shapes = tuple({0: batch} for _ in example)
+        program = capture(model, example, dynamic_shapes=shapes)
+        for rows in (3, 8, 20):
+            inputs = _batch(rows)
+            inputs = tuple(torch.cat([t] * 3)[:rows] for t in inputs[: len(example)])
+            loss, expected = program.run(inputs), model(*inputs)
+            assert torch.equal(loss, expected), (type(model).__name__, rows)
+            got = torch.autograd.grad(loss, list(model.parameters()))
+            want = torch.autograd.grad(expected, list(model.parameters()))
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), (type(model).__name__, rows)
 
 
 def test_an_operator_goes_with_its_function_class():
