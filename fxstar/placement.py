@@ -236,10 +236,13 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
             return fill(model, weights, buffers)
     persistent = set(model.state_dict(keep_vars=True))
     unfilled = [name for name in buffers if name not in persistent]
-    # before reading: a buffer that cannot be computed is refused at once ('init' computes
-    # them with the rest; a function of one module may, for a model fxstar cannot compute)
-    if unfilled and weights != "init" and (is_transformers(model) or not callable(weights)):
+    init = callable(weights) or weights == "init"
+    # first: a buffer that cannot be computed is refused before minutes of reading (for a
+    # model fxstar cannot compute them for, an init may write them: checked after it)
+    if unfilled and (is_transformers(model) or not init):
         compute_buffers(model, unfilled)
+        buffers = [name for name in buffers if name in persistent]
+    before = _versions(model, buffers) if init else {}
     if callable(weights):
         # as a constructor does: every module's own reset first, then the model's init (one
         # that touches some modules only must not leave the others' homes zero)
@@ -248,11 +251,12 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
-    if callable(weights) or weights == "init":
+    if init:
         elsewhere = [n for n, p in model.named_parameters(remove_duplicate=False)
                      if p.is_meta] if sharded else []  # fmt: skip
         report = initialize(model, {}, init=None if weights == "init" else weights,
                             elsewhere=elsewhere)  # fmt: skip
+        _check_written(model, before, report.init)
         return (f"weights: initialised in their chunk homes by {report.init} "
                 f"({len(report.modules)} modules, {report.seconds:.2f}s)")  # fmt: skip
     buffers_read = {n: b for n, b in model.named_buffers() if n in persistent}
@@ -268,6 +272,30 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
         line += (f"; {len(parts)} assembled from {sum(map(len, parts.values()))} by "
                  "transformers' conversion rules")  # fmt: skip
     return line + ")"
+
+
+def _versions(model: nn.Module, names: list[str]) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """{name: (buffer, its version counter, its data pointer)}: any write changes one."""
+    buffers = dict(model.named_buffers())
+    return {n: (buffers[n], buffers[n]._version, buffers[n].data_ptr()) for n in names}
+
+
+def _check_written(model: nn.Module, before: dict[str, tuple[torch.Tensor, int, int]],
+                   init: str) -> None:  # fmt: skip
+    """Buffers built on the meta device and given zeroed storage must be written by the init
+    that stands in for the checkpoint; one it left alone holds zeros, not its constructor's
+    value: refused by name."""
+    now = dict(model.named_buffers())
+    unwritten = [n for n, (t, version, ptr) in before.items()
+                 if now.get(n) is t and t._version == version and t.data_ptr() == ptr]  # fmt: skip
+    if unwritten:
+        raise UsageError(
+            f"buffers {', '.join(unwritten)} were built on the meta device and the init "
+            f"({init}) did not write them, so they hold zeros, not the values their constructor "
+            "gave them: write them in the init, give them a device in the constructor "
+            "(torch.ones(..., device='cpu'): an explicit device wins over torch.device('meta')), "
+            "or build the model on the host"
+        )
 
 
 @contextlib.contextmanager

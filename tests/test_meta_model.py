@@ -401,3 +401,27 @@ def test_a_buffer_nothing_computes_is_refused_by_its_full_name(tmp_path):
     assert "buffers model.layers.0.mlp.scale are not persistent" in text
     assert "Gemma3ForCausalLM's init (_init_weights) does not compute them" in text
     assert "embed_scale" not in text and "device='cpu'" in text
+
+
+def test_an_init_gets_the_buffers_computed_or_must_write_them():
+    """weights=<function> on a transformers model: its non-persistent buffers are computed as
+    for a checkpoint (rotary frequencies, not zeros); on another model a buffer the init
+    leaves alone would hold zeros, not its constructor's value, and is refused by name."""
+    ids, targets = tokens()
+    host, meta = hf_llama(), _on_meta(hf_llama)
+    fxstar.compile(meta, fxstar.Plan(device_memory="auto"), **example("llama", ids, targets),
+                   weights=lambda module: None)  # fmt: skip
+    assert torch.equal(meta.model.rotary_emb.inv_freq, host.model.rotary_emb.inv_freq)
+    x, y = torch.randn(2, 64), torch.randn(2, 64)
+    plan = fxstar.Plan(device_memory="auto")
+    with pytest.raises(UsageError, match=r"buffers inner\.mask were built on the meta device "
+                       r"and the init \(reset_parameters\) did not write them"):  # fmt: skip
+        fxstar.compile(_on_meta(_Masked), plan, (x, y), weights="init")
+
+    def init(module):
+        if isinstance(module, nn.Linear) and hasattr(module, "mask"):
+            module.mask.fill_(1.0)
+
+    meta = _on_meta(_Masked)
+    fxstar.compile(meta, plan, (x, y), weights=init)
+    assert torch.equal(meta.inner.mask, torch.ones(64))
