@@ -358,27 +358,35 @@ def compute_buffers(model: nn.Module, names: list[str]) -> None:
             runs.append(wanted)
     finally:
         torch.set_rng_state(state)
-    undetermined = [n for n in names if not torch.equal(runs[0][n], runs[1][n])]
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    undetermined = [n for n in names if not _determined(runs[0][n], runs[1][n], buffers[n])]
     if undetermined:
         raise UsageError(
             f"buffers {', '.join(undetermined)} are not persistent (no checkpoint holds them), "
             f"were built on the meta device, and {type(model).__name__}'s init "
             f"(_init_weights) does not compute them, so they have no values: {fix}"
         )
-    buffers = dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
         for name in names:
             buffers[name].copy_(runs[0][name])
+
+
+def _determined(first: torch.Tensor, second: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether two runs from different fills left one value of the buffer's shape."""
+    return (not first.is_meta and not second.is_meta and first.shape == buffer.shape
+            and torch.equal(first, second))  # fmt: skip
 
 
 @contextlib.contextmanager
 def _stand_ins(model: nn.Module, names: list[str], fill_value: int) -> Iterator[dict[str, Any]]:
     """While the block runs: every parameter and every buffer but `names` a meta tensor marked
     initialised for transformers' init (a tied one by one shared stand-in), the buffers
-    `names` fresh host tensors filled with `fill_value` (yielded by name), every module's
-    initialised mark removed; then all of it put back."""
+    `names` fresh host tensors filled with `fill_value`, every module's initialised mark
+    removed; then all of it put back. Yields {name: buffer}, filled in at the end with what
+    the block left there (written into, or a tensor of its own put in its place)."""
     wanted = set(names)
     fresh: dict[str, torch.Tensor] = {}
+    places: dict[str, tuple[dict, str]] = {}
     stand: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict, str, Any]] = []
     marks: list[tuple[nn.Module, Any]] = []
@@ -391,7 +399,8 @@ def _stand_ins(model: nn.Module, names: list[str], fill_value: int) -> Iterator[
                     continue
                 name = f"{prefix}.{attr}" if prefix else attr
                 if name in wanted:
-                    new = fresh.setdefault(name, torch.full(t.shape, fill_value, dtype=t.dtype))
+                    new = torch.full(t.shape, fill_value, dtype=t.dtype)
+                    places[name] = (kind, attr)
                 else:
                     new = stand.get(id(t))
                     if new is None:
@@ -405,6 +414,8 @@ def _stand_ins(model: nn.Module, names: list[str], fill_value: int) -> Iterator[
     try:
         yield fresh
     finally:
+        for name, (kind, attr) in places.items():
+            fresh[name] = kind[attr]
         for kind, attr, t in reversed(swapped):
             kind[attr] = t
         for module in model.modules():

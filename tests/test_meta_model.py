@@ -344,8 +344,9 @@ def test_families_built_on_meta_read_their_own_checkpoint_and_train_like_the_hos
 
 def test_buffers_are_computed_without_touching_a_parameter(monkeypatch):
     """transformers' init runs on meta stand-ins of every parameter: one that writes straight
-    into a weight (not through transformers' guarded init functions) writes into nothing, and
-    the random state is as it was."""
+    into a weight (not through transformers' guarded init functions) writes into nothing, one
+    that puts a tensor of its own in a buffer's place is read from there, and the random state
+    is as it was."""
     from fxstar.placement import compute_buffers
 
     model = META_FAMILIES["gemma3"][0]()
@@ -358,6 +359,8 @@ def test_buffers_are_computed_without_touching_a_parameter(monkeypatch):
     def hostile(self, module):
         if isinstance(module, nn.Embedding):
             module.weight.data.fill_(7.0)
+            module.embed_scale = torch.tensor(module.scalar_embed_scale)  # replaced, not written
+            return
         original(self, module)
 
     monkeypatch.setattr(type(model), "_init_weights", hostile)
