@@ -142,10 +142,18 @@ class Program:
 
     def remove_input(self, node: fx.Node) -> None:
         """Drop a placeholder nobody reads any more, and what fed it."""
-        if node.users:
-            raise ValueError(f"placeholder {node.name} still has users: {list(node.users)}")
-        self.inputs = [slot for slot in self.inputs if slot.node != node.name]
-        self.graph_module.graph.erase_node(node)
+        self.remove_inputs([node])
+
+    def remove_inputs(self, nodes: list[fx.Node]) -> None:
+        """Drop placeholders nobody reads any more, and what fed them: all at once, one pass
+        over the inputs (a deep model's chunk schedule drops hundreds)."""
+        for node in nodes:
+            if node.users:
+                raise ValueError(f"placeholder {node.name} still has users: {list(node.users)}")
+        names = {node.name for node in nodes}
+        self.inputs = [slot for slot in self.inputs if slot.node not in names]
+        for node in nodes:
+            self.graph_module.graph.erase_node(node)
 
     def placeholder_kinds(self) -> dict[str, InputSlot]:
         """Placeholder node name -> the slot that feeds it."""
@@ -191,7 +199,9 @@ class Program:
         return [s.name for s in self.stages if s.by == "pass"]
 
     def stage(self, key: int | str | None = None) -> tuple[int, Stage]:
-        """(index, stage) for an index, a pass name (its latest stage), or None (the last)."""
+        """(index, stage) for an index, a stage's name, or None (the last). A name that several
+        stages have (an analysis re-run after a rewrite) is refused, listing them by number:
+        which one is meant is the caller's to say."""
         if not self.stages:
             raise LookupError("the program has no recorded stages")
         if key is None:
@@ -201,9 +211,16 @@ class Program:
             if not 0 <= index < len(self.stages):
                 raise LookupError(f"no stage {key}; the program has {len(self.stages)}")
             return index, self.stages[index]
-        for index in range(len(self.stages) - 1, -1, -1):
-            if self.stages[index].name == key:
-                return index, self.stages[index]
+        found = [i for i, s in enumerate(self.stages) if s.name == key]
+        if len(found) == 1:
+            return found[0], self.stages[found[0]]
+        if found:
+            which = "; ".join(
+                f"{i} (after {self.stages[i - 1].name})" if i else f"{i}" for i in found
+            )
+            raise LookupError(
+                f"{len(found)} stages are named {key!r}: {which}; give the stage's number"
+            )
         names = ", ".join(s.name for s in self.stages)
         raise LookupError(f"no stage named {key!r}; stages: {names}")
 

@@ -56,3 +56,16 @@ def test_run_on_other_tensors_leaves_the_model_alone(program):
 def test_mismatched_inputs_are_refused(program):
     with pytest.raises(TypeError, match="captured signature"):
         program.run((tokens()[0],))
+
+
+def test_a_name_several_stages_have_is_refused_listing_them(program):
+    """An analysis re-run after a rewrite records a second stage of its name: which one a name
+    means is the caller's to say, by number."""
+    program.record("shape_memory")
+    program.record("rewrite")
+    program.record("shape_memory")
+    with pytest.raises(LookupError, match=r"2 stages are named 'shape_memory': 1 \(after "
+                       r"capture\); 3 \(after rewrite\); give the stage's number"):  # fmt: skip
+        program.stage("shape_memory")
+    assert program.stage(3)[1].name == "shape_memory"
+    assert program.stage("rewrite")[0] == 2

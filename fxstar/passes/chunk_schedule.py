@@ -281,8 +281,7 @@ def rewrite(program: Program, layout: ChunkLayout, decision: Fetches) -> list[fx
     nodes = list(graph.nodes)
     params = parameter_placeholders(program)
     insert_fetches(program.graph_module, decision.top, nodes, params)
-    for node in params:
-        program.remove_input(node)
+    program.remove_inputs(list(params))
     return nodes
 
 
