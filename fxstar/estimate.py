@@ -1,8 +1,8 @@
 """What one training step needs, by kind of memory, before it runs (`fxstar plan`).
 
-Parameters, gradients and optimizer state come from the parameter table and the plan;
-activations from the `shape_memory` analysis. Later passes (chunks, checkpointing, offload)
-change where these bytes live; this table is the baseline they are judged against.
+Parameters, gradients and optimizer state come from the parameter table and the plan, as
+if no pass paged them; activations from the `shape_memory` analysis, on the graph the plan's
+rewrites (checkpointing, offload, tiling) left when it ran, which the table's title names.
 `estimate` is the figure a budget is chosen by: the smallest device_memory the plan works with.
 """
 
@@ -42,14 +42,35 @@ def training_memory(program: Program) -> list[EstimateRow]:
         rows.append(EstimateRow("activations saved", report.saved_bytes, "for backward"))
         rows.append(EstimateRow("largest backward temporary", report.largest_backward,
                                 "gradients one op allocates at once"))  # fmt: skip
-    rows.append(EstimateRow("total", sum(r.nbytes for r in rows), "peak of a plain step, roughly"))
+    rows.append(EstimateRow("total", sum(r.nbytes for r in rows), "peak of one step, roughly"))
     return rows
 
 
+def measured_after(program: Program) -> list[str]:
+    """The rewrites that ran before the activations were measured (the latest shape_memory
+    stage): checkpointing, offload or tiling change the activation rows."""
+    from fxstar.passes import rewrites
+
+    found = [i for i, s in enumerate(program.stages) if s.by == "pass" and s.name == "shape_memory"]
+    if not found:
+        return []
+    return [s.name for s in program.stages[: found[-1]] if s.by == "pass" and rewrites(s.name)]
+
+
 def format_estimate(program: Program) -> str:
+    """The table; with shape_memory run, its activation rows are measured on the graph the
+    plan's rewrites left, like the smallest budget below it: re-measured if a rewrite ran
+    since, unless chunk_schedule did (chunk_layout had them measured just before; the
+    chunked graph runs through the chunk runtime, which the analysis does not)."""
+    if program.decisions.shape_memory is not None and "chunk_schedule" not in program.passes_run():
+        ensure_fresh(program, "shape_memory")
     rows = training_memory(program)
     width = max(len(r.kind) for r in rows)
-    lines = ["training memory estimate (one step, no memory passes):"]
+    after = measured_after(program)
+    title = "one step, no memory passes" if not after else (
+        f"one step, model state unpaged; activations measured after {', '.join(after)}"
+    )  # fmt: skip
+    lines = [f"training memory estimate ({title}):"]
     for r in rows:
         lines.append(f"  {r.kind:<{width}}  {format_size(r.nbytes):>12}  {r.note}")
     if program.decisions.shape_memory is None:

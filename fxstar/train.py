@@ -45,8 +45,8 @@ class TrainConfig:
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)
-    eval_loss: float = math.nan
-    tokens_per_second: float = 0.0  # the GPT demo only
+    eval_loss: float | None = None  # held-out loss: the GPT demo only
+    tokens_per_second: float | None = None  # None: the inputs hold no token ids
     steps_per_second: float = 0.0
     compile_seconds: float = 0.0
     report: str = ""
@@ -173,10 +173,28 @@ def train_target(
     engine = _compile(model, plan, target.example_inputs, target.example_kwargs, result)
     elapsed = _loop(engine, lambda step: (target.example_inputs, target.example_kwargs), steps,
                     log_every, progress, result)  # fmt: skip
-    print(f"trained {steps} steps in {elapsed:.1f}s; loss {result.losses[0]:.4f} -> "
+    tokens = tokens_per_step(target.example_inputs, target.example_kwargs)
+    rate = ""
+    if tokens is not None:
+        result.tokens_per_second = result.steps_per_second * tokens
+        rate = f" ({result.tokens_per_second:,.0f} tokens/s)"
+    print(f"trained {steps} steps in {elapsed:.1f}s{rate}; loss {result.losses[0]:.4f} -> "
           f"{result.losses[-1]:.4f}")  # fmt: skip
     _finish(engine, result, timeline)
     return result
+
+
+def tokens_per_step(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
+    """The tokens a step reads: the elements of its token ids, an integer tensor of a batch of
+    sequences (`input_ids` when named so, else the first such input); None when there is none
+    (images, features): a rate of tokens would mean nothing."""
+    named = kwargs.get("input_ids")
+    candidates = [named] if isinstance(named, torch.Tensor) else []
+    candidates += [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    for x in candidates:
+        if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
+            return x.numel()
+    return None
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -215,9 +233,11 @@ def _loop(
     result: TrainResult,
 ) -> float:
     """`steps` training steps on `batch(step)`: forward, backward, optimizer step, logging.
-    Returns the seconds they took."""
-    bar = tqdm(range(steps), desc="train", unit="step", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+    Returns the seconds they took. The progress shows as a bar on a terminal; into a file
+    or a pipe (a captured log) as one line per tenth of the run instead of the bar's redraws."""
+    bar = tqdm(range(steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=not (progress and _on_terminal(sys.stderr)))  # fmt: skip
+    lines = progress and bar.disable
     start = time.perf_counter()
     for step in bar:
         args, kwargs = batch(step)
@@ -228,9 +248,23 @@ def _loop(
         bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
         if log_every and (step % log_every == 0 or step == steps - 1):
             tqdm.write(f"step {step:>5}  loss {result.losses[-1]:.4f}")
+        done = step + 1
+        if lines and (done * PROGRESS_LINES // steps > step * PROGRESS_LINES // steps):
+            rate = done / (time.perf_counter() - start)
+            print(f"train: {done}/{steps} steps ({100 * done // steps}%), loss "
+                  f"{result.losses[-1]:.4f}, {rate:.2f} steps/s",
+                  file=sys.stderr, flush=True)  # fmt: skip
     elapsed = time.perf_counter() - start
     result.steps_per_second = steps / elapsed
     return elapsed
+
+
+PROGRESS_LINES = 10  # progress lines of a run when stderr is not a terminal
+
+
+def _on_terminal(stream) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
 
 
 def _finish(engine, result: TrainResult, timeline: str | None) -> None:
@@ -248,4 +282,16 @@ def write_json(
     payload = {"config": config, "plan": json.loads(plan.replace(loss_fn=None).to_json()),
                **asdict(result)}  # fmt: skip
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(_finite(payload), f, indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinity (a diverged loss) as None: JSON has no such numbers
+    (Python writes `NaN`, which other readers refuse), and null says "no number" to all."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

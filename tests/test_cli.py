@@ -1,5 +1,6 @@
 """The `fxstar` command as a user types it."""
 
+import io
 import json
 import re
 import sys
@@ -267,3 +268,99 @@ def test_mistakes_are_one_line(tmp_path, capsys, args, message):
     out, err = capsys.readouterr()
     assert re.search(message, err) and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "GPT:" not in out  # nothing trained
+
+
+# -- frictions: titles that say what was measured, stage names, JSON, progress in logs --------
+
+
+def _plan_file(tmp_path, **options) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(options))
+    return str(path)
+
+
+def _saved(out: str) -> str:
+    return re.search(r"activations saved +(\S+)", out).group(1)
+
+
+def test_plan_says_the_rewrites_its_activations_were_measured_after(tmp_path, capsys):
+    """The table's activation rows are measured on the graph the plan's rewrites left, and its
+    title says after which: not "no memory passes" beside figures measured after checkpointing
+    (with a budget), nor the figures of a graph the plan does not run (without one)."""
+    assert main(["plan", TINY]) == 0
+    plain = capsys.readouterr().out
+    assert "(one step, no memory passes):" in plain
+    for options in ({"checkpoint": "blocks"}, {"checkpoint": "blocks", "device_memory": "auto"}):
+        assert main(["plan", TINY, "--plan", _plan_file(tmp_path, **options)]) == 0
+        out = capsys.readouterr().out
+        assert "no memory passes" not in out, options
+        assert "activations measured after activation_checkpoint):" in out, options
+        assert _saved(out) != _saved(plain), options  # the checkpointed graph's, measured
+
+
+def test_dump_refuses_a_stage_name_two_stages_have(tmp_path, capsys):
+    """With checkpointing and a budget, shape_memory is measured before the regions are cut
+    and again before the chunks are laid out: two stages of one name."""
+    plan = _plan_file(tmp_path, checkpoint="blocks", device_memory="auto")
+    assert main(["dump", TINY, "--plan", plan, "--stage", "shape_memory"]) == 2
+    out, err = capsys.readouterr()
+    assert "UsageError: 2 stages are named 'shape_memory': 1 (after capture); " in err
+    number = int(re.search(r"; (\d+) \(after activation_checkpoint\)", err).group(1))
+    assert out == "" and "give the stage's number" in err
+    assert main(["dump", TINY, "--plan", plan, "--stage", str(number)]) == 0
+    assert capsys.readouterr().out.startswith(f"# stage {number}: shape_memory (after ")
+
+
+def _strict_json(text: str):
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_train_json_of_a_target_is_json_with_its_tokens_per_second(tmp_path, capsys):
+    """A target's run has no held-out loss (null, not NaN) and reads its token ids each step:
+    tokens/s is steps/s times their count."""
+    out = tmp_path / "run.json"
+    assert main(["train", TINY, "--steps", "3", "--no-progress", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = _strict_json(out.read_text())
+    from fxstar.models.gpt import tiny
+
+    tokens = tiny()[1][0].numel()
+    assert result["eval_loss"] is None
+    assert result["tokens_per_second"] == pytest.approx(result["steps_per_second"] * tokens)
+    assert result["tokens_per_second"] > 0 and " tokens/s); loss " in printed
+
+
+def test_train_json_writes_a_diverged_loss_as_null(tmp_path):
+    from fxstar.plan import Plan
+    from fxstar.train import TrainResult, write_json
+
+    path = tmp_path / "run.json"
+    result = TrainResult(losses=[2.0, float("nan"), float("inf")], steps_per_second=1.0)
+    write_json(str(path), {"target": "t", "steps": 3}, Plan(), result)
+    written = _strict_json(path.read_text())
+    assert written["losses"] == [2.0, None, None] and written["tokens_per_second"] is None
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_into_a_log_is_a_line_per_tenth_not_a_bar(monkeypatch, capsys):
+    """stderr captured (not a terminal): ten lines for a run, no bar redraws; on a terminal
+    the bar."""
+    args = ["train", "--steps", "40", "--layers", "1", "--width", "32", "--heads", "2",
+            "--seq-len", "16", "--log-every", "0"]  # fmt: skip
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train: ")]
+    assert "\r" not in err and len(lines) == 10, err
+    assert lines[0].startswith("train: 4/40 steps (10%), loss ")
+    assert lines[-1].startswith("train: 40/40 steps (100%), loss ")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main([*args[:2], "3", *args[3:]]) == 0
+    assert "\r" in terminal.getvalue() and "train: 3/3 steps" not in terminal.getvalue()

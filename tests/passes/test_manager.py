@@ -209,3 +209,42 @@ def test_built_in_passes_declare_phases_and_what_they_implement():
     assert "cpu_embedding" in passes.get("cpu_embedding").implements
     assert {"device_memory", "chunk_size"} <= set(passes.get("chunk_layout").implements)
     assert "device_memory" in passes.implemented_options()
+
+
+def test_the_custom_pass_docs_group_nodes_by_block_through_nn_module_stack():
+    """examples/custom_pass.py documents node.meta["nn_module_stack"] with the stack of the
+    reference GPT's first linear, and groups its FLOPs per block by it: the documented stack is
+    the real one, and each block's FLOPs are its own linears' (from the modules, apart)."""
+    import ast
+    import importlib.util
+    import os
+    import re
+    import sys
+
+    from fxstar.models.gpt import tiny
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "custom_pass.py")
+    spec = importlib.util.spec_from_file_location("example_custom_pass_stack", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # its dataclass looks its module up
+    spec.loader.exec_module(example)
+    try:
+        model, inputs = tiny()
+        program = capture(model, inputs)
+        linears = [n for n in program.graph_module.graph.nodes
+                   if n.target is torch.ops.aten.linear.default]  # fmt: skip
+        documented = re.search(r"\n    (\{'L__self__'.*?\})\n", example.__doc__, re.S).group(1)
+        assert dict(linears[0].meta["nn_module_stack"]) == ast.literal_eval(documented)
+        PassManager(["linear_flops"]).run(program)
+        flops = program.decisions.custom["linear_flops"]
+        tokens = inputs[0].numel()
+        expected: dict[str, int] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                block = ".".join(name.split(".")[:2]) if name.startswith("h.") else name
+                expected[block] = expected.get(block, 0) + 2 * tokens * module.weight.numel()
+        assert flops.per_block == expected and flops.total == sum(expected.values())
+        assert example.block_of(next(iter(program.graph_module.graph.nodes))) == "(root)"
+    finally:
+        passes.unregister("linear_flops")
+        sys.modules.pop(spec.name, None)
