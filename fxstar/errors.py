@@ -108,7 +108,10 @@ class VerifyError(FxstarError, AssertionError):
 class CollectiveError(FxstarError, RuntimeError):
     """A collective timed out or lost a peer: another rank failed, stopped calling the engine,
     or diverged. Raised in place of gloo's bare 'Timed out waiting ...' or 'Connection closed by
-    peer', naming the collective, the rank and the group; the original is its `__cause__`."""
+    peer', naming the collective, the rank and the group; the original is its `__cause__`.
+    Also raised on every rank, before the collective runs, when the ranks are out of step (one
+    raised mid-step and went on, or captured another batch shape) or tensor-parallel ranks
+    were fed different inputs (runtime/step_check.py), naming each rank's step."""
 
 
 class RankMismatchError(FxstarError, RuntimeError):

@@ -64,6 +64,20 @@ def test_parameter_and_graph_differences_are_named():
     assert "same torch.manual_seed" in text and "inputs of the same shapes" in text
 
 
+def test_a_tied_meta_weight_is_captured_as_the_real_one_is():
+    """Sharded payloads leave another rank's chunks meta: its graph must still be the owner's,
+    GPT's tied embedding and head read through one placeholder (else the ranks' recaptures
+    disagree, and their access plans with them)."""
+    from fxstar.capture import capture
+
+    with torch.device("meta"):
+        meta = tiny_gpt(dropout=0.0)
+    mixed = tiny_gpt(dropout=0.0)  # what a sharded rank holds: some chunks meta
+    mixed.wte.weight = mixed.head.weight = torch.nn.Parameter(mixed.wte.weight.to("meta"))
+    texts = [capture(m, tokens()).stages[0].text for m in (tiny_gpt(dropout=0.0), meta, mixed)]
+    assert texts[1] == texts[0] and texts[2] == texts[0]
+
+
 def test_dist_timeout_is_validated():
     assert Plan().dist_timeout == 300.0
     for bad in (0, -1, float("inf"), "5"):
