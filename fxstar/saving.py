@@ -646,7 +646,8 @@ def _prepare(path: str | os.PathLike) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise CheckpointError(f"cannot save a checkpoint to {path}: {error}") from error
-    _replaceable(target)
+    with _locked(target.parent):  # not between another save's two renames of `target`
+        _replaceable(target)
     _remove_killed_saves(target)  # first: the space they hold may be what this save needs
     return target
 
