@@ -25,11 +25,11 @@ class FxstarError(Exception):
 
 class PlanError(FxstarError, ValueError):
     """A plan option is unknown, of the wrong type, or out of range; the message names it.
-    (A ValueError too, as it was before FxstarError existed.)"""
+    (A ValueError too: `except ValueError` catches a bad option.)"""
 
 
 class OptionNotImplementedError(FxstarError, NotImplementedError):
-    """A plan sets options whose feature is not built yet (Plan.check_implemented); the
+    """A plan sets options whose feature is not built (Plan.check_implemented); the
     message names each option and its feature."""
 
 

@@ -3,8 +3,8 @@
 transformers 5 stores some tensors unlike the modules that hold them: a mixture of experts one
 expert at a time (`mlp.experts.3.gate_proj.weight`) where the module holds them fused
 (`mlp.experts.gate_up_proj`), old names (`LayerNorm.gamma`), a base model's checkpoint under a
-task model (`base_model_prefix`), tensors the model no longer keeps (`position_ids`, now not
-persistent). `from_pretrained` renames and converts by the model's conversion mapping
+task model (`base_model_prefix`), tensors the model does not keep (`position_ids`, a buffer
+not persistent). `from_pretrained` renames and converts by the model's conversion mapping
 (`transformers.conversion_mapping`: `WeightRenaming`s, then one `WeightConverter` with its
 operations) and ignores what the model's rules say to ignore. `converted_source` applies the
 same rules, through transformers' own functions, to the names of a `WeightSource`.

@@ -624,8 +624,8 @@ class Plan:
         doc="Start loading the next chunk the plan needs while this one computes, when it fits "
         "without evicting until then (a copy on the copy stream; with sharded data-parallel "
         "payloads the next group's all-gather, or with mem_saving_comm the chunk's broadcast, "
-        "beside compute); 'auto' = on with an accelerator (on this 2-core CPU the background "
-        "copies and collectives took the cores compute needed).",
+        "beside compute); 'auto' = on with an accelerator (on a CPU-only machine the "
+        "background copies and collectives take the cores compute needs).",
     )  # fmt: skip
     grads_in_host: bool = _option(
         True, check=_boolean, feature="the chunk manager's gradient buffers",
@@ -648,7 +648,7 @@ class Plan:
         False, check=_boolean, feature=_CHUNKS,
         doc="One process: once the chunk homes hold the values, free the storage of the "
         "model's original parameter tensors, even where the caller still holds them (the "
-        "host never holds the model twice). False (what the engine always did): the model's "
+        "host never holds the model twice). False (the default): the model's "
         "parameters become the engine's all the same, and the originals are left intact and "
         "untouched by training. A meta-built model goes straight into its chunk homes either "
         "way. Under data parallelism (PatrickStar's meaning): every rank initialises every "
