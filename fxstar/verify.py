@@ -20,6 +20,7 @@ from torch.func import functional_call
 from fxstar.errors import VerifyError
 from fxstar.params import ParameterStore
 from fxstar.program import Program
+from fxstar.runtime import rng_tracker
 
 __all__ = ["RunResult", "Verifier", "find_loss"]
 
@@ -45,11 +46,6 @@ def find_loss(output: Any) -> torch.Tensor | None:
 class RunResult:
     outputs: list[torch.Tensor]
     grads: dict[str, torch.Tensor | None]
-
-
-def _fork_rng():
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    return torch.random.fork_rng(devices=devices)
 
 
 class Verifier:
@@ -103,7 +99,7 @@ class Verifier:
         store: ParameterStore | None = None,
     ) -> RunResult:
         tensors = self._tensors(store)
-        with _fork_rng(), torch.enable_grad():
+        with rng_tracker.fork_all(), torch.enable_grad():
             torch.manual_seed(self.seed)
             output = forward(tensors)
             loss = find_loss(output)

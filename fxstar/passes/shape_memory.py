@@ -31,6 +31,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from fxstar.dump import NOTES_KEY, target_name
 from fxstar.passes import Pass, register
 from fxstar.program import SYMBOLIC_TRACE, Program, buffers_restored
+from fxstar.runtime import rng_tracker
 from fxstar.runtime.offload import offload_region
 from fxstar.runtime.recompute import run_region
 from fxstar.sizes import format_size
@@ -286,11 +287,6 @@ def _analysis_tensors(
     return tensors, params
 
 
-def _fork_rng() -> contextlib.AbstractContextManager:
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    return torch.random.fork_rng(devices=devices)
-
-
 def _fake_converter(
     mode: FakeTensorMode, device: torch.device
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -414,7 +410,7 @@ def _measure(program: Program, *, fake: bool = True) -> dict[fx.Node, NodeMemory
     Both give the same numbers (tests/passes/test_shape_memory_fake.py)."""
     run: _Run | None = None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_fork_rng())
+        stack.enter_context(rng_tracker.fork_all(program.graph_module))
         if not fake:
             if program.ir == SYMBOLIC_TRACE:  # it runs on the model's own buffers: restore them
                 stack.enter_context(buffers_restored(program.model))

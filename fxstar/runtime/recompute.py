@@ -27,7 +27,6 @@ from torch.utils.checkpoint import checkpoint
 
 from fxstar.runtime import rng_tracker
 from fxstar.runtime.ops import RUNTIME
-from fxstar.runtime.tp_group import TPGroup
 
 __all__ = ["COPIED_INPUTS_KEY", "run_region"]
 
@@ -58,7 +57,7 @@ def _checkpoint(region: nn.Module, fn: Any, *inputs: Any) -> Any:
     """torch's checkpoint of `fn`, whose recompute starts the tensor-parallel RNG trackers the
     region's graph holds where the forward started them (torch replays the default
     generators only)."""
-    streams = [m.stream for m in region.modules() if isinstance(m, TPGroup) and m.stream]
+    streams = rng_tracker.streams_of(region)
 
     def replay_rank_streams() -> tuple[Any, Any]:
         return contextlib.nullcontext(), _Replay(rng_tracker.snapshot(streams))

@@ -34,6 +34,7 @@ from fxstar.runtime.tp_group import TPGroup, guard, process_group
 
 __all__ = [
     "RankStream",
+    "fork_all",
     "new_stream",
     "new_stream_needed",
     "rank_attention",
@@ -42,6 +43,7 @@ __all__ = [
     "seq_dropout",
     "snapshot",
     "stream",
+    "streams_of",
 ]
 
 SEED_OFFSET = 2718  # Megatron's model-parallel seed offset
@@ -119,6 +121,22 @@ def stream(group: TPGroup | None) -> RankStream:
             "tensor_parallel pass makes it)"
         )
     return group.stream
+
+
+def streams_of(module: torch.nn.Module) -> list[RankStream]:
+    """The trackers of the process groups `module` (a graph, a region) holds."""
+    return [m.stream for m in module.modules() if isinstance(m, TPGroup) and m.stream]
+
+
+@contextlib.contextmanager
+def fork_all(module: torch.nn.Module | None = None) -> Iterator[None]:
+    """Every generator a run of `module` draws from (the default ones, CUDA's where it is
+    initialized, and the rank streams of its groups) is as it was after the block: a run
+    that measures or checks the graph leaves the training run's masks unchanged."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    streams = streams_of(module) if module is not None else []
+    with torch.random.fork_rng(devices=devices), replaying(snapshot(streams)):
+        yield
 
 
 def snapshot(streams: list[RankStream]) -> list[tuple[RankStream, dict[str, Any]]]:
