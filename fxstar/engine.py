@@ -38,7 +38,7 @@ from fxstar.model_snapshot import AttributeState, ModelSnapshot
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
-from fxstar.passes.chunk_layout import check_chunk_options
+from fxstar.passes.chunk_layout import KEPT_KEY, check_chunk_options
 from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
 from fxstar.plan import PlanError, resolve_device
 from fxstar.program import EXPORT, Program
@@ -49,6 +49,7 @@ from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.grad_norm import GradNorm
 from fxstar.runtime.host import give_back_freed
+from fxstar.runtime.layout import ChunkPlan
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
 from fxstar.sizes import format_size
@@ -215,6 +216,7 @@ class Engine(nn.Module):
             output = program.run(args, kwargs)
         else:
             self._refine_plans()
+            self._fit_kept(program.decisions.chunk_plan)
             with self.chunks.running(program.decisions.chunk_plan):
                 output = program.run(args, kwargs)
         if self.traced is not self.model:
@@ -357,6 +359,8 @@ class Engine(nn.Module):
             )
         program.store = self.store
         program.shared = self.shared
+        # what HybridAdam keeps on the compute tier: a later capture's plan counts it
+        self.shared[KEPT_KEY] = self.chunks.kept_bytes() if self.chunks is not None else 0
         self._agree_ranks(program)
         check = None
         if self.plan.verify:
@@ -532,6 +536,17 @@ class Engine(nn.Module):
                 program.decisions.chunk_plan = compiled.refined(observed)
                 program.decisions.chunk_observed = observed
                 program.record(REFINED_STAGE, by="engine")
+
+    def _fit_kept(self, plan: ChunkPlan) -> None:
+        """The chunks HybridAdam keeps on the compute tier for good are part of every plan:
+        those a plan has no room for (a later, larger input) go back to the host tier before
+        it runs, the least used first, and stay there."""
+        optimizer = self._optimizer
+        if not isinstance(optimizer, HybridAdam) or not optimizer.device_chunks:
+            return
+        room = plan.kept_room()
+        if room is not None and self.chunks.kept_bytes() > room:
+            optimizer.give_back(room)
 
     def _run_for_verify(self, program: Program, args: tuple, kwargs: dict, tensors: dict) -> Any:
         """plan.verify runs a chunked stage under a manager of its own, made from the
@@ -885,6 +900,12 @@ class Engine(nn.Module):
             lines.append(self._weights_line)
         if self.chunks is not None:
             lines.append(self.chunks.report())
+            given = getattr(self._optimizer, "given_back", None)
+            if given:
+                lines.append(
+                    f"kept chunks {sorted(given)} went back to the host tier with their optimizer "
+                    "state: a later input's plan had no room for them beside its own"
+                )
             kept = getattr(self._optimizer, "kept", None)  # None: as forecast
             lines.append(placement.describe_host(self.plan, program.decisions.chunk_plan, kept))
             lines.append(program.decisions.chunk_plan.describe().splitlines()[0])

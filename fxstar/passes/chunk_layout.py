@@ -12,7 +12,8 @@ chunks fit their share of the budget (`chunk_share`). Among those that fit: room
 chunk at the busiest access first, then sizes of which HybridAdam can keep one on the compute
 tier, then the least unused space (Colossal-AI Gemini searches chunk sizes the same way). The
 least budget any size fits is the plan's smallest device_memory: errors print it, and
-`device_memory="auto"` takes it on a CPU-only machine.
+`device_memory="auto"` takes it on a CPU-only machine (for the first capture: a later one gets
+its own, chunk_schedule.capture_budget).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from fxstar.sizes import Share, format_size
 
 LAYOUT_KEY = "chunk_layout"  # Program.shared key: one layout for every capture of an engine
 BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='auto' settled on
+ARENA_KEY = "arena_capacity"  # Program.shared key: the arena the first chunk plan made
+KEPT_KEY = "kept_bytes"  # Program.shared key: compute-tier bytes HybridAdam keeps when compiling
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
                  "async_mem_monitor", "overlap_grad_copies", "prefetch", "grads_in_host",
@@ -167,11 +170,16 @@ class BudgetNeed:
             f"for this plan is {format_size(self.device_memory)} ({self.device_memory:,} bytes)"
         )
 
-    def remedy(self) -> str:
+    def remedy(self, auto: bool = False) -> str:
+        """What to change; `auto`: the plan's device_memory is 'auto' already, which on a
+        card is its memory times overall_gpu_mem_ratio."""
         other = ("raise warmup_gpu_chunk_mem_ratio" if self.static_ratio is not None
                  else "checkpoint activations")  # fmt: skip
         if self.load_unit > 1:
             other += ", set mem_saving_comm=True (a load brings one chunk, not its group)"
+        if auto:
+            return (f"device_memory='auto' is the device's memory times overall_gpu_mem_ratio: "
+                    f"raise overall_gpu_mem_ratio, {other}")  # fmt: skip
         return f"Raise device_memory to at least that (device_memory='auto' does), {other}"
 
 
@@ -412,7 +420,8 @@ class LayoutSearch:
             smallest = self.smallest()
             raise ChunkLayoutError(
                 f"no chunk size fits device_memory {shown_budget(plan, budget)}: "
-                f"{smallest.describe()}. {smallest.remedy()}, or tile the largest linears."
+                f"{smallest.describe()}. {smallest.remedy(plan.device_memory == 'auto')}, or "
+                "tile the largest linears."
             )
         return best
 
@@ -474,4 +483,11 @@ class ChunkLayoutPass(Pass):
         return program
 
 
-__all__ = ["LAYOUT_KEY", "ChunkLayoutError", "ChunkLayoutPass", "plan_layout"]
+__all__ = [
+    "ARENA_KEY",
+    "KEPT_KEY",
+    "LAYOUT_KEY",
+    "ChunkLayoutError",
+    "ChunkLayoutPass",
+    "plan_layout",
+]

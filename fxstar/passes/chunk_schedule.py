@@ -16,6 +16,11 @@ after the last read of any of them or of any alias of them, and plan the step's 
   their chunks back and each region fetches again for its recomputation, in reverse order;
   with the bytes besides chunks expected at each one (from shape_memory). A moment whose
   chunks cannot fit the budget stops the compile here, with the numbers.
+- Every capture of an engine shares its arena, made for the first one. Under
+  device_memory='auto' on a CPU-only machine a later capture (a longer batch) gets the least
+  budget it needs beside the chunks HybridAdam keeps on the compute tier, when the engine's is
+  less (capture_budget); kept chunks a plan has no room for go back to the host tier before it
+  runs (ChunkPlan.kept_room, the engine).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from fxstar.mesh import load_unit, sharded_payloads
 from fxstar.passes import Pass, register
 from fxstar.passes.activation_checkpoint import region_calls, region_inputs
 from fxstar.passes.chunk_layout import (
+    ARENA_KEY,
+    KEPT_KEY,
     budget_bytes,
     budget_need,
     shown_budget,
@@ -44,6 +51,7 @@ from fxstar.program import Program
 from fxstar.runtime import ops
 from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan, ParamSlot
+from fxstar.sizes import format_size
 
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
 
@@ -342,17 +350,62 @@ def _next_original(node: fx.Node, estimate: dict[fx.Node, int]) -> int:
     return estimate.get(node, 0)
 
 
-def check_budget(plan: AccessPlan, layout: ChunkLayout, program: Program) -> None:
-    """Every moment's chunks must fit their share of the budget; the error names the moment
-    that needs the most and the smallest device_memory this plan works with."""
+def capture_budget(program: Program, plan: AccessPlan, layout: ChunkLayout) -> int | None:
+    """The budget this capture runs under: the plan's. device_memory='auto' on a CPU-only
+    machine is the least budget each capture needs: the engine's (what its first capture
+    needed), or for a later capture that needs more (a longer batch) its own, beside the
+    bytes HybridAdam keeps on the compute tier for good (Program.shared[KEPT_KEY]). On a card
+    'auto' is its capacity already."""
     budget = budget_bytes(program)
+    if (budget is None or program.plan.device_memory != "auto"
+            or program.compute_device().type != "cpu"):  # fmt: skip
+        return budget
+    need = budget_need(program.plan, plan, layout).device_memory
+    return max(budget, need + program.shared.get(KEPT_KEY, 0))
+
+
+def check_budget(plan: AccessPlan, layout: ChunkLayout, program: Program,
+                 budget: int | None) -> None:  # fmt: skip
+    """Every moment's chunks must fit their share of `budget`; the error names the moment
+    that needs the most and the smallest device_memory this plan works with."""
     if budget is None:
         return  # no budget: every chunk stays resident
     need = budget_need(program.plan, plan, layout)
     if need.device_memory > budget:
+        auto = program.plan.device_memory == "auto"
         raise ChunkScheduleError(
             f"device_memory {shown_budget(program.plan, budget)} is too small: "
-            f"{need.describe()}. {need.remedy()}, or use a smaller chunk_size (or 'auto')."
+            f"{need.describe()}. {need.remedy(auto)}, or use a smaller chunk_size (or 'auto')."
+        )
+
+
+def check_arena(program: Program, plan: AccessPlan, layout: ChunkLayout, budget: int,
+                arena: int) -> None:  # fmt: skip
+    """A later capture runs in the engine's arena, made for the first: the chunks it uses at
+    once must fit it, and on a card (where the arena is carved out of the budget beside the
+    first capture's activations) its activations must fit beside it."""
+    first = "made for the engine's first input; compile the engine with its largest input first"
+    pinned = max(plan.pinned_at_once, default=0) * layout.chunk_bytes
+    if pinned > arena:
+        t = plan.pinned_at_once.index(max(plan.pinned_at_once))
+        raise ChunkScheduleError(
+            f"access {t} ({plan.phases[t]}, chunk {plan.chunks[t]}) of this input needs "
+            f"{format_size(pinned)} of chunks at once, more than the engine's arena of "
+            f"{format_size(arena)} ({arena:,} bytes) holds: the arena was {first} "
+            "(example_inputs), or use a smaller chunk_size or checkpointing"
+        )
+    if program.compute_device().type == "cpu":
+        return  # activations live outside the arena there
+    staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
+               if layout.ranks > 1 and sharded_payloads(program.plan) else 0)  # fmt: skip
+    peak = max(plan.nonmodel_bytes, default=0)
+    if arena + staging + peak > budget:
+        raise ChunkScheduleError(
+            f"this input's activations peak at {format_size(peak)}; beside the engine's arena "
+            f"of {format_size(arena)}"
+            + (f" and {format_size(staging)} of gradient staging" if staging else "")
+            + f" that exceeds device_memory {shown_budget(program.plan, budget)}: the arena "
+            f"was {first} (example_inputs), or checkpoint activations"
         )
 
 
@@ -467,8 +520,9 @@ class ChunkSchedule(Pass):
         if layout.ranks > 1:
             note_owners(program, layout)
         access = access_plan(program.graph_module, layout, original, load_unit(program.plan))
-        check_budget(access, layout, program)
-        program.decisions.chunk_plan = chunk_plan(program, layout, access)
+        budget = capture_budget(program, access, layout)
+        check_budget(access, layout, program, budget)
+        program.decisions.chunk_plan = chunk_plan(program, layout, access, budget)
         return program
 
 
@@ -492,13 +546,14 @@ def note_owners(program: Program, layout: ChunkLayout) -> None:
                 note(node, "dp", f"owner rank {layout.owner(chunk)}" + load.format(group=group))
 
 
-def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> ChunkPlan:
-    """The room the chunks have, decided here once for the runtime to follow. On a GPU the
-    arena shares the card with activations (and, with sharded data-parallel payloads, the
-    gradient staging), so it leaves them their peak; on a CPU-only machine activations live
-    elsewhere and the share is enforced per moment. Without a budget (bf16/fp16 alone)
-    every chunk stays resident and activations are not budgeted."""
-    budget = budget_bytes(program)
+def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,
+               budget: int | None) -> ChunkPlan:  # fmt: skip
+    """The room the chunks have under `budget`, decided here once for the runtime to follow.
+    On a GPU the arena shares the card with activations (and, with sharded data-parallel
+    payloads, the gradient staging), so it leaves them their peak; on a CPU-only machine
+    activations live elsewhere and the share is enforced per moment. Without a budget
+    (bf16/fp16 alone) every chunk stays resident and activations are not budgeted. The
+    first capture's arena is the engine's: later captures run in it (check_arena)."""
     device = program.compute_device()
     if budget is None:
         block = -(-layout.chunk_bytes // ARENA_ALIGNMENT) * ARENA_ALIGNMENT  # blocks round up
@@ -509,6 +564,10 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan) -> Chu
         staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
                    if layout.ranks > 1 and sharded_payloads(program.plan) else 0)  # fmt: skip
         capacity = budget - max(access.nonmodel_bytes, default=0) - staging
+    arena = program.shared.setdefault(ARENA_KEY, capacity)
+    if arena != capacity and budget is not None:
+        check_arena(program, access, layout, budget, arena)
+    capacity = arena
     return ChunkPlan(
         layout, access, budget, capacity,
         static_share=None if budget is None else static_share(program.plan, budget),

@@ -185,12 +185,7 @@ class _Walk:
                 return self._no(node, f"a slice of dim {dim}")
             return [(args[0], dim)]
         if op == "getitem":
-            cut = args[0]
-            if op_name(cut) in ("split", "split_with_sizes", "chunk"):
-                d = norm_dim(cut.args[2] if len(cut.args) > 2 else cut.kwargs.get("dim", 0), nd)
-                if d != dim:
-                    return [(cut.args[0], dim)]
-            return self._no(node, "a piece cut along it")
+            return [self._piece(node, dim, nd)]
         if op in ("cat", "concat", "concatenate"):
             d = norm_dim(args[1] if len(args) > 1 else 0, nd)
             if d == dim:
@@ -215,6 +210,21 @@ class _Walk:
                     out.append((m, k))
             return out
         return self._no(node, f"{op or node.target}")
+
+    def _piece(self, node: fx.Node, dim: int, nd: int) -> tuple[fx.Node, int]:
+        """A piece of a split, chunk, tensor_split or unbind cut along another dim holds
+        every element of the input's `dim` in place (Mamba's tensor_split of the sequence):
+        the split starts on the input, and every piece carries it (tp_rules' split rule)."""
+        cut = node.args[0]
+        op = op_name(cut)
+        if op in ("split", "split_with_sizes", "chunk", "tensor_split"):
+            d = norm_dim(cut.args[2] if len(cut.args) > 2 else cut.kwargs.get("dim", 0), nd)
+            if d != dim:
+                return cut.args[0], dim
+        elif op == "unbind":
+            d = norm_dim(cut.args[1] if len(cut.args) > 1 else cut.kwargs.get("dim", 0), nd + 1)
+            return cut.args[0], dim + (d <= dim)
+        return self._no(node, "a piece cut along it")
 
     @staticmethod
     def _no(node: fx.Node, what: str) -> list:

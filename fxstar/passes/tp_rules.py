@@ -418,16 +418,17 @@ def _slice(c: Call) -> Carried:
     raise Refusal(f"takes [{start}:{end}:{step}] of the split dim {k}")
 
 
-@_rule("split", "split", "split_with_sizes", "chunk", "unbind")
+@_rule("split", "split", "split_with_sizes", "chunk", "unbind", "tensor_split")
 def _split(c: Call) -> Carried:
-    """Another dim: every piece keeps the split. The split dim: only cutting a fused output
-    into its parts, which each rank does on its slices with sizes divided by the ranks."""
+    """Another dim: every piece keeps the split (Mamba's tensor_split of the sequence). The
+    split dim: only cutting a fused output into its parts, which each rank does on its
+    slices with sizes divided by the ranks."""
     op, s, shape = op_name(c.node), c.x_shard, c.in_shape
     k = norm_dim(c.arg(2 if op != "unbind" else 1, "dim", 0), len(shape))
     if k != s.dim:
         return Carried(Shard(s.dim - (op == "unbind" and k < s.dim), s.parts))
-    if op == "unbind":
-        raise Refusal(f"unbinds the split dim {k}")
+    if op in ("unbind", "tensor_split"):
+        raise Refusal(f"{op}s the split dim {k}")
     size = c.node.args[1]
     if op == "split_with_sizes":
         pieces, equal = len(size), len(set(size)) == 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -468,9 +468,22 @@ class ChunkManager:
         """Give back the last `count` reserved blocks (a keep that could not complete)."""
         self.reservations.unreserve(count)
 
-    def fix(self, chunk_id: int, *, share_room: bool = False) -> None:
+    def fix(self, chunk_id: int, *, share_room: bool = False,
+            beside: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
         """Keep a chunk on the compute tier for good (see Reservations.fix)."""
-        self.reservations.fix(chunk_id, share_room=share_room)
+        self.reservations.fix(chunk_id, share_room=share_room, beside=beside)
+
+    def unfix(self, chunk_id: int) -> None:
+        """A kept chunk back to the host tier, its blocks freed (see Reservations.unfix).
+        Between steps: what the last backward left (copies in flight, its last node's pins)
+        ends first, as at the start of a step."""
+        self.grads.wait()
+        self.saved.unpin_all()
+        self.reservations.unfix(chunk_id)
+
+    def kept_bytes(self) -> int:
+        """Compute-tier bytes the chunks kept there for good hold, with their blocks."""
+        return self.reservations.kept_bytes()
 
     def compute_updated(self, chunk_id: int) -> None:
         """The optimizer wrote a fixed chunk's compute copy (and master) itself."""

@@ -189,6 +189,20 @@ def spare_bytes(budget: int, capacity: int, moments: Iterable[tuple[int, int]],
     return max(int(ratio * min(by_budget, by_arena)), 0)
 
 
+def kept_room(budget: int | None, capacity: int, static_share: int | None,
+              access: AccessPlan, chunk_bytes: int) -> int | None:  # fmt: skip
+    """What chunks kept on the compute tier for good (payloads, gradients, masters, moments:
+    HybridAdam's device half) may hold beside every access of `access`: what each moment's
+    chunks in use and bytes besides chunks leave of the budget, and of the arena (the static
+    share under static_partition). None without a budget (nothing is kept then)."""
+    if budget is None:
+        return None
+    pinned = [count * chunk_bytes for count in access.pinned_at_once]
+    if static_share is not None:
+        return max(static_share - max(pinned, default=0), 0)
+    return spare_bytes(budget, capacity, zip(pinned, access.nonmodel_bytes), 1.0)
+
+
 @dataclass
 class AccessPlan:
     """The chunk accesses of one step in the order they will happen."""
@@ -248,6 +262,12 @@ class ChunkPlan:
     # the chunk's whole group of N, gathered into one block of N chunks by one all-gather
     load_unit: int = 1
     observed: Observed | None = None  # what the step this plan was refined from measured
+
+    def kept_room(self) -> int | None:
+        """Compute-tier bytes the chunks kept there for good may hold under this plan (see
+        kept_room): those beyond it go back to the host tier before the plan runs."""
+        return kept_room(self.budget, self.arena_capacity, self.static_share, self.access,
+                         self.layout.chunk_bytes)  # fmt: skip
 
     def refined(self, observed: Observed) -> ChunkPlan:
         """A plan whose access order and bytes besides chunks are what `observed` measured;

@@ -15,8 +15,10 @@ kept there for good (`ChunkManager.fix`), with their moments and fp32 master bes
 (and, under bf16/fp16 without accumulation or data parallelism, the gradient in the room of
 the compute payload, as on the host: 14 bytes per parameter kept; else a gradient buffer
 beside it too), and updated there: by torch's fused Adam on an accelerator, by the same C++
-kernel when the compute tier is the CPU (`device_kernel` picks). They never cross tiers again;
-the rest stay on the host. Moments are made at that first step too, so a kept chunk's never
+kernel when the compute tier is the CPU (`device_kernel` picks). They stay there while every
+plan run has room for them beside its chunks and activations; before a plan with less room (a
+later, larger input) the least used go back to the host tier with their moments (`give_back`).
+The rest stay on the host. Moments are made at that first step too, so a kept chunk's never
 exist on the host, and the host homes it leaves go back to the system. `hybrid=False` keeps
 everything on the host. The global read is skipped when neither clipping nor fp16 needs it.
 
@@ -39,7 +41,7 @@ from fxstar.runtime.grad_norm import GradNorm
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
-from fxstar.runtime.residency import Chunk
+from fxstar.runtime.residency import Chunk, ChunkBudgetError
 
 
 def _extend(view: torch.Tensor, offset: int, n: int) -> torch.Tensor:
@@ -94,6 +96,7 @@ class HybridAdam(torch.optim.Optimizer):
         self.norm = norm or GradNorm(data_parallel=groups.group if groups is not None else None)
         self._placed = False  # the device half is chosen at the first training step
         self.device_chunks: list[int] = []
+        self.given_back: list[int] = []  # kept chunks a later plan had no room for
         # data parallel: the rank's own chunks only (runtime/data_parallel.py)
         trainable = [c for c in manager.chunks if c.host_grad is not None and manager.owns(c.id)]
         self._slots: dict[int, ParamSlot] = {}  # id(param) -> its place in the chunks
@@ -426,7 +429,7 @@ class HybridAdam(torch.optim.Optimizer):
         arena has no block for them)."""
         manager, n = self.manager, self.manager.layout.chunk_size
         moments = manager.reserve(2 * n * 4, torch.float32)
-        manager.fix(chunk_id, share_room=self.share_room)
+        manager.fix(chunk_id, share_room=self.share_room, beside=(moments,))
         chunk = manager.chunks[chunk_id]
         self.device_chunks.append(chunk_id)
         if any(c is chunk for c in self._without_moments):  # no host moments: fresh here
@@ -440,6 +443,49 @@ class HybridAdam(torch.optim.Optimizer):
             for key, moment in (("exp_avg", moments[:n]), ("exp_avg_sq", moments[n:])):
                 moment[part].copy_(state[key].reshape(-1))
                 state[key] = moment[part].view(slot.shape)  # the host buffer is let go
+
+    def give_back(self, room: int) -> list[int]:
+        """Kept chunks back to the host tier, the least used first, until what stays kept
+        fits `room` compute-tier bytes: a plan with less room (a later, larger input) runs
+        next. Their moments go to the host with them, and the host budget is checked first
+        with the chunks that stay. Returns the chunks given back."""
+        manager = self.manager
+        if manager.data_parallel is not None:  # one rank alone would leave the others' loads
+            raise ChunkBudgetError(
+                f"chunks {self.device_chunks} are kept on the compute tier for good with their "
+                f"optimizer state (HybridAdam, {manager.kept_bytes():,} bytes) and this input's "
+                f"chunk plan leaves them {room:,} bytes; under data parallelism kept chunks do "
+                "not go back to the host tier: run the largest input first (its first step "
+                "decides what is kept), or set hybrid_adam=False"
+            )
+        stay, given = list(self.device_chunks), []
+        total = manager.kept_bytes()
+        while stay and total > room:
+            given.append(stay.pop())  # device_chunks: the most used first
+            total -= manager.reservations.kept_chunk_bytes(given[-1])
+        if given and self.host_check is not None:
+            self.host_check(stay)
+        for chunk_id in given:
+            self._give_back_one(chunk_id)
+        self.device_chunks = stay
+        self.given_back += given
+        return given
+
+    def _give_back_one(self, chunk_id: int) -> None:
+        """One kept chunk back to the host tier, its moments into a host buffer of its own."""
+        manager = self.manager
+        chunk = manager.chunks[chunk_id]
+        moments = host_empty(2 * chunk.used * 4, zero=True).view(torch.float32)
+        for slot in chunk.slots:
+            state = self.state.get(manager.stable[slot.name])
+            if not state or "exp_avg" not in state:
+                continue
+            part = slice(slot.offset, slot.offset + slot.numel)
+            for key, host in (("exp_avg", moments[: chunk.used]),
+                              ("exp_avg_sq", moments[chunk.used :])):  # fmt: skip
+                host[part].copy_(state[key].reshape(-1))
+                state[key] = host[part].view(slot.shape)
+        manager.unfix(chunk_id)  # frees the moments' block too
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's, plus which chunks are kept on the compute tier: a resumed run updates

@@ -383,6 +383,12 @@ class Residency:
         if count:
             self.stats.evictions += len(unit)
 
+    def evict(self, chunk: Chunk) -> None:
+        """Drop a resident chunk nothing uses from the compute tier, outside a step's
+        choices (a kept chunk going back to the host tier): no eviction is counted."""
+        if chunk.resident:
+            self._evict(chunk, count=False)
+
     def _evict_stale(self, chunk: Chunk) -> None:
         """A resident chunk whose host copy (or a group member's) changed is dropped, to be
         loaded afresh. A group is loaded as one: a member in use (no step leaves one in use
@@ -574,12 +580,21 @@ class Residency:
             )
 
     def _budget_error(self, t: int, why: str) -> ChunkBudgetError:
-        pinned = [c.id for c in self.chunks if c.pins]
+        pinned = [c.id for c in self.chunks if c.pins and not c.fixed]
+        kept = [c.id for c in self.chunks if c.fixed]
         groups = (f" (a load brings a whole group of {self.load_unit}: mem_saving_comm=True "
                   "loads one chunk)" if self.load_unit > 1 else "")  # fmt: skip
+        beside = ""
+        if kept:  # their payloads count as resident chunks, their blocks come off the share
+            beside = (
+                f"; chunks {kept} are kept on the compute tier for good with their optimizer "
+                f"state (HybridAdam), {len(kept) * self.layout.chunk_bytes:,} bytes of payloads "
+                f"and {self.reserved.bytes():,} bytes reserved beside them"
+            )
         return ChunkBudgetError(
             f"chunk budget exceeded at access {t} ({why}): chunks {pinned} are in use, "
-            f"{self.layout.chunk_bytes:,} bytes each{groups}; the share there is {self.share(t):,} "
-            f"of device_memory {self.budget or self.arena.capacity:,} bytes. Use a smaller "
-            "chunk_size, checkpointing, or a larger device_memory."
+            f"{self.layout.chunk_bytes:,} bytes each{groups}{beside}; the share there is "
+            f"{self.share(t):,} of device_memory {self.budget or self.arena.capacity:,} bytes "
+            "(less what is reserved). Use a smaller chunk_size, checkpointing, or a larger "
+            "device_memory" + (", or hybrid_adam=False (nothing kept)" if kept else "") + "."
         )

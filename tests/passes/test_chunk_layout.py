@@ -379,6 +379,21 @@ def test_device_memory_auto_on_cuda_is_its_capacity_times_overall_gpu_mem_ratio(
     assert auto_budget(program, program.decisions.budget_need) == program.shared[BUDGET_KEY]
 
 
+def test_device_memory_auto_on_a_card_too_small_does_not_advise_auto(monkeypatch):
+    """The advice is true for the plan at hand: under 'auto' already, raising device_memory
+    to what 'auto' gives is no remedy."""
+    program = prepared("gpt", Plan(device_memory="auto"))
+    monkeypatch.setattr(program, "compute_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=2**16))  # fmt: skip
+    with pytest.raises(ChunkLayoutError) as error:
+        ChunkLayoutPass()(program)
+    assert "'auto' does" not in str(error.value)
+    assert "device_memory='auto' is the device's memory times overall_gpu_mem_ratio" in str(
+        error.value
+    )
+
+
 def test_a_model_without_parameters_gets_a_clear_error():
     class Doubler(torch.nn.Module):
         def forward(self, x):

@@ -1,17 +1,29 @@
 """chunk_schedule: fetch/release placement, aliases, split fetches, the plan and its checks."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import activation_budget, assert_same_step, check_golden, tiny_gpt, tokens
+from conftest import (
+    activation_budget,
+    assert_same_step,
+    call,
+    check_golden,
+    example,
+    hf_llama,
+    tiny_gpt,
+    tokens,
+)
 from torch import nn
 
 from fxstar.dump import dump
 from fxstar.engine import compile
-from fxstar.passes.chunk_schedule import BusyChunks, ChunkScheduleError
+from fxstar.passes.chunk_layout import BUDGET_KEY, KEPT_KEY, budget_need
+from fxstar.passes.chunk_schedule import BusyChunks, ChunkScheduleError, check_arena
 from fxstar.plan import Plan
 from fxstar.runtime import ops
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 
 
 def test_golden_dump_of_the_rewritten_gpt():
@@ -172,3 +184,89 @@ def test_busy_chunks_counts_other_chunks_read_in_between_as_the_definition():
             others = {c for p, c in reads if a < p < b and c != chunk}
             for limit in (1, 2, 3):
                 assert busy.between(chunk, a, b, limit) == min(len(others), limit)
+
+
+def gpt_without_biases(seed: int = 0):
+    """The example GPT without biases: an attention key bias's true gradient is zero, and the
+    rounding noise autograd gives it makes Adam steps of +-lr that say nothing of the engine."""
+    from fxstar.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                         dropout=0.1, bias=False))  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "factory"), [("gpt", gpt_without_biases), ("llama", hf_llama)])
+def test_device_memory_auto_gives_a_longer_batch_the_budget_it_needs(kind, factory):
+    """'auto' settles on the least budget of the first input (8 tokens); a longer batch (16
+    tokens, a capture of its own) gets the least budget it needs beside what HybridAdam keeps,
+    in the engine's arena. Both shapes, alternately, step like eager with torch's AdamW: loss
+    and gradients (bitwise before the first update, within the kernels' rounding after) and
+    the updated parameters."""
+    eager, model = factory(), factory()
+    plan = Plan(device_memory="auto", optimizer={"type": "adamw", "lr": 1e-3})
+    engine = compile(model, plan, **example(kind, *tokens(seq=8)))
+    engine.chunks.checking = True
+    reference = torch.optim.AdamW(eager.parameters(), lr=1e-3, weight_decay=0.0)
+    for group in engine.optimizer.param_groups:  # no decay anywhere, as eager's
+        group["weight_decay"] = 0.0
+    for step, seq in enumerate([8, 16, 8, 16]):
+        ids, targets = tokens(seed=step, seq=seq)
+        if step == 1:  # compiled after the first step chose what HybridAdam keeps
+            inputs = (
+                ((ids, targets), {})
+                if kind == "gpt"
+                else ((), {"input_ids": ids, "labels": targets})
+            )
+            later = engine.prepare(*inputs[0], **inputs[1]).decisions.chunk_plan
+            first = engine.program.decisions.chunk_plan
+            need = budget_need(plan, later.access, later.layout).device_memory
+            assert first.budget == engine.shared[BUDGET_KEY] < need
+            assert later.budget == need + engine.shared[KEPT_KEY]
+            assert later.arena_capacity == first.arena_capacity == engine.chunks.planned_capacity
+        torch.manual_seed(step)
+        expected = call(kind, eager, ids, targets)
+        expected.backward()
+        torch.manual_seed(step)
+        loss = call(kind, engine, ids, targets)
+        loss.backward()
+        exact = {"rtol": 0, "atol": 0} if step == 0 else {"rtol": 1e-5, "atol": 1e-7}
+        torch.testing.assert_close(loss, expected, **exact)
+        for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, **exact, msg=f"{step} {name}")
+        reference.step()
+        reference.zero_grad()
+        engine.step()
+    for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_later_auto_capture_counts_the_bytes_hybrid_adam_keeps(monkeypatch):
+    engine = compile(gpt_without_biases(), Plan(device_memory="auto"), tokens(seq=8))
+    monkeypatch.setattr(engine.chunks, "kept_bytes", lambda: 12_345)
+    later = engine.prepare(*tokens(seq=16)).decisions.chunk_plan
+    need = budget_need(engine.plan, later.access, later.layout).device_memory
+    assert engine.shared[KEPT_KEY] == 12_345 and later.budget == need + 12_345
+
+
+def arena_case(device: str):
+    """A program stand-in on `device`, and a layout of two 256-byte chunks."""
+    specs = [ChunkSpec(i, [ParamSlot(f"p{i}", (f"p{i}",), i, 0, (8, 8), True)], 64)
+             for i in range(2)]  # fmt: skip
+    program = SimpleNamespace(plan=Plan(device_memory="auto"),
+                              compute_device=lambda: torch.device(device))  # fmt: skip
+    return program, ChunkLayout(64, torch.float32, specs)
+
+
+def test_a_later_capture_that_outgrows_the_engines_arena_says_so():
+    program, layout = arena_case("cpu")
+    both = AccessPlan([0, 1], ["forward"] * 2, [100, 100], [1, 2])
+    check_arena(program, both, layout, budget=10_000, arena=512)  # two chunks fit
+    with pytest.raises(ChunkScheduleError, match="more than the engine's arena") as error:
+        check_arena(program, both, layout, budget=10_000, arena=511)
+    assert "access 1 (forward, chunk 1)" in str(error.value)
+    assert "largest input first" in str(error.value) and "'auto' does" not in str(error.value)
+    program, layout = arena_case("cuda")  # a card: the activations beside the arena
+    with pytest.raises(ChunkScheduleError, match="activations peak at") as error:
+        check_arena(program, both, layout, budget=512 + 99, arena=512)
+    check_arena(program, both, layout, budget=512 + 100, arena=512)

@@ -55,3 +55,14 @@ def test_why_a_split_cannot_start():
     assert _seeds(lambda m, x: m.buf[None, :, None] * 1.0, 1) == "b_buf is no parameter"
     assert "cannot start a split" in _seeds(lambda m, x: x.cumsum(1), 1)
     assert "not divisible by 2 ranks" in _seeds(lambda m, x: torch.zeros(3, 3), 0)
+
+
+def test_a_piece_cut_along_another_dim_starts_the_split_on_what_was_cut():
+    # Mamba's tensor_split of the sequence, read by the scan split by channel
+    seeds = _seeds(lambda m, x: torch.tensor_split(m.w, [3], dim=1)[0], 0, w=torch.ones(8, 4))
+    assert seeds == [Seed("p_w", 0, "parameter", "q_proj")]
+    # an unbound slice: its dim 0 is the input's dim 1
+    seeds = _seeds(lambda m, x: m.w.unbind(0)[1], 0, w=torch.ones(3, 8))
+    assert seeds == [Seed("p_w", 1, "parameter", "q_proj")]
+    cut = _seeds(lambda m, x: torch.tensor_split(m.w, [4], dim=0)[0], 0, w=torch.ones(8, 4))
+    assert "a piece cut along it" in cut

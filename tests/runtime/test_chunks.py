@@ -121,3 +121,46 @@ def test_the_report_gives_the_gradient_copies_share_of_a_training_step():
     assert 0 < st.grad_copy_share() < 1
     assert st.training_grad_copy_seconds <= st.grad_copy_seconds
     assert "gradient copies into the chunks' buffers:" in m.report()
+
+
+def test_a_budget_error_lists_the_chunks_kept_on_the_compute_tier_with_their_bytes():
+    m = manager(3, resident=3)
+    m.fix(0)  # its payload and its gradient block: two of the three chunks' room
+    with m.running(plan([1, 2])), pytest.raises(ChunkBudgetError) as error:
+        m.fetch(1)
+        m.fetch(2)
+    message = str(error.value)
+    assert "chunks [1] are in use, 256 bytes each" in message
+    assert "chunks [0] are kept on the compute tier for good" in message
+    assert "256 bytes of payloads and 256 bytes reserved beside them" in message
+    assert "hybrid_adam=False" in message
+
+
+def test_a_kept_chunk_goes_back_to_the_host_tier_with_its_values_and_gradient():
+    m = manager(3, resident=3)
+    with m.running(plan([0])):
+        m.fetch(0)["p0"].sum().mul(2.0).backward()  # a gradient of 2 into the host buffer
+        m.release(0)
+    m.fix(0)
+    stable = m.stable["p0"]
+    assert stable.untyped_storage().data_ptr() == m.arena.buffer.untyped_storage().data_ptr()
+    with torch.no_grad():
+        stable.add_(5.0)  # an update where it is kept
+    stable.grad.add_(1.0)
+    m.compute_updated(0)
+    m.unfix(0)
+    chunk = m.chunks[0]
+    assert not chunk.fixed and not chunk.resident and m.reserved_bytes() == 0
+    assert m.arena.stats()["in_use"] <= len(m.residency.cache) * m.layout.chunk_bytes
+    assert stable.data_ptr() == chunk.host.data_ptr()  # the host home again
+    assert torch.equal(stable, torch.full((8, 8), 5.0))
+    assert torch.equal(stable.grad, torch.full((8, 8), 3.0))
+    assert stable.grad.data_ptr() == chunk.host_grad.data_ptr()
+    loads = m.stats.loads
+    with m.running(plan([0, 1, 2])):  # paged like any other: loaded from its host home
+        assert torch.equal(m.fetch(0)["p0"], torch.full((8, 8), 5.0))
+        m.release(0)
+        m.fetch(1)
+        m.release(1)
+        m.fetch(2)
+    assert m.stats.loads == loads + 3

@@ -405,3 +405,133 @@ def test_kept_payload_room_gives_the_parameters_to_reads_after_their_gradient():
         return losses
 
     _assert_bitwise(_bf16_runs(detached_reuse, drive))
+
+
+# -- kept chunks and a later, larger input ----------------------------------------------------
+
+
+def gpt_of_32_positions(seed: int = 0):
+    from fxstar.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                         dropout=0.1, bias=False))  # fmt: skip
+
+
+def test_kept_chunks_a_longer_batch_has_no_room_for_go_back_and_train_like_adamw():
+    """Kept at the first step (8 tokens: a wide margin); the 24-token capture's plan leaves
+    room for fewer, so the least used go back to the host tier with their moments before it
+    runs, and stay there. In both shapes, alternately, every step's loss, gradients and
+    updated parameters are eager's with torch's AdamW (bitwise before the first update,
+    within the kernels' rounding after)."""
+    budget = activation_budget(gpt_of_32_positions, 0.6, example_inputs=tokens(seq=24))
+    eager, model = gpt_of_32_positions(), gpt_of_32_positions()
+    plan = Plan(device_memory=budget, optimizer=OPT)
+    engine = compile(model, plan, example_inputs=tokens(seq=8))
+    engine.chunks.checking = True
+    reference = reference_optimizer(eager, plan)
+    kept = []
+    for step, seq in enumerate([8, 24, 8, 24, 8]):
+        ids, targets = tokens(seed=step, seq=seq)
+        torch.manual_seed(step)
+        expected = eager(ids, targets)
+        expected.backward()
+        torch.manual_seed(step)
+        loss = engine(ids, targets)
+        loss.backward()
+        exact = {"rtol": 0, "atol": 0} if step == 0 else {"rtol": 1e-5, "atol": 1e-7}
+        torch.testing.assert_close(loss, expected, **exact)
+        for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, **exact, msg=f"{step} {name}")
+        reference.step()
+        reference.zero_grad()
+        engine.step()
+        kept.append(list(engine.optimizer.device_chunks))
+        assert_params_match(eager, engine)
+    first, later = kept[0], kept[1]
+    assert len(first) >= 2 and 0 < len(later) < len(first) and later == first[: len(later)]
+    assert kept[2:] == [later] * 3  # given back for good: no churn between the shapes
+    room = engine.prepare(*tokens(seq=24)).decisions.chunk_plan.kept_room()
+    assert engine.chunks.kept_bytes() <= room
+    assert [c.id for c in engine.chunks.chunks if c.fixed] == sorted(later)
+    eager.load_state_dict(engine.state_dict())  # the given-back chunks' values included
+    assert_params_match(eager, engine)
+
+
+def resnet(seed: int = 0):
+    """transformers' ResNet (BatchNorm: running statistics as buffers) at small sizes, its
+    config's defaults otherwise."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                       layer_type="basic", num_labels=5)  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.ResNetForImageClassification(config)
+
+
+def images(seed: int, size: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(2, 3, size, size, generator=g),
+            "labels": torch.randint(0, 5, (2,), generator=g)}  # fmt: skip
+
+
+SIZES = [32, 48, 32, 48]  # the first step keeps chunks, the larger images have no room for them
+
+
+def test_resnet_gives_its_kept_chunks_back_for_larger_images_and_trains_like_eager():
+    """fp32 against eager with torch's AdamW: loss, gradients, BatchNorm's running
+    statistics and the updated parameters at every step, both image sizes alternately."""
+    budget = activation_budget(resnet, 0.4, example_kwargs=images(0, 48))
+    eager, model = resnet(), resnet()
+    plan = Plan(device_memory=budget, optimizer=OPT)
+    engine = compile(model, plan, example_kwargs=images(0, SIZES[0]))
+    engine.chunks.checking = True
+    reference = reference_optimizer(eager, plan)
+    kept = []
+    for step, size in enumerate(SIZES):
+        batch = images(step, size)
+        expected, loss = eager(**batch).loss, engine(**batch).loss
+        expected.backward()
+        loss.backward()
+        exact = {"rtol": 0, "atol": 0} if step == 0 else {"rtol": 1e-5, "atol": 1e-7}
+        torch.testing.assert_close(loss, expected, **exact)
+        for (name, p), (_, q) in zip(eager.named_parameters(), engine.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, **exact, msg=f"{step} {name}")
+        reference.step()
+        reference.zero_grad()
+        engine.step()
+        kept.append(list(engine.optimizer.device_chunks))
+        assert_params_match(eager, engine)
+        for (name, b), (_, c) in zip(eager.named_buffers(), engine.named_buffers()):
+            torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-7, msg=f"{step} {name}")
+    assert kept[0] and len(kept[1]) < len(kept[0]) and kept[2:] == [kept[1]] * 2
+    given = sorted(set(kept[0]) - set(kept[1]))
+    assert f"kept chunks {given} went back to the host tier" in engine.report()
+
+
+def test_bf16_kept_chunks_given_back_train_bitwise_like_the_host_ones():
+    """bf16 (the gradient in the kept payload's room, the fp32 master beside it): an engine
+    whose kept chunk goes back for the larger images steps bitwise like one that keeps
+    nothing (one chunk size for both: the same layout), BatchNorm statistics included; also
+    when it goes back between two forwards whose one backward reads what the first saved."""
+    budget = 4 * sum(p.numel() * 4 for p in resnet().parameters())
+    engines = []
+    for hybrid in (True, False):
+        plan = Plan(device_memory=budget, precision="bf16", optimizer=OPT, hybrid_adam=hybrid,
+                    chunk_size=12_000)  # fmt: skip
+        engines.append(compile(resnet(), plan, example_kwargs=images(0, 32)))
+    kept, host = engines
+    given = []
+    for step, sizes in enumerate([(32,), (32, 48), (48,), (32,)]):
+        losses = []
+        for engine in engines:
+            loss = sum(engine(**images(10 * step + i, size)).loss for i, size in enumerate(sizes))
+            loss.backward()
+            engine.step()
+            losses.append(loss.detach())
+        assert torch.equal(*losses), step
+        given.append(list(kept.optimizer.device_chunks))
+    assert given[0] and len(given[1]) < len(given[0]) and given[2:] == [given[1]] * 2
+    for (name, p), (_, q) in zip(host.named_parameters(), kept.named_parameters()):
+        assert torch.equal(p, q), name
+    for (name, b), (_, c) in zip(host.model.named_buffers(), kept.model.named_buffers()):
+        assert torch.equal(b, c), name
