@@ -31,15 +31,15 @@ demo: $(BUILT)
 	@tail -n 1 build/demo_custom_pass.txt
 
 # Every benchmark at its default size, one after another (gpt_setup.py is a helper, not one);
-# the README says how long that takes on 2 cores.
+# docs/results.md says how long that takes on 2 cores.
 BENCHMARKS := $(filter-out benchmarks/gpt_setup.py,$(sort $(wildcard benchmarks/*.py)))
 
 bench: $(BUILT)
 	@set -e; for b in $(BENCHMARKS); do echo "=== $$b"; $(BIN)/python $$b; done
 
 lint: $(BUILT)
-	$(BIN)/ruff check fxstar tests benchmarks examples
-	$(BIN)/ruff format --check fxstar tests benchmarks examples
+	$(BIN)/ruff check fxstar tests benchmarks examples tools
+	$(BIN)/ruff format --check fxstar tests benchmarks examples tools
 
 build: $(BUILT)
 

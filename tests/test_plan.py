@@ -527,20 +527,3 @@ def test_patrickstar_module():
     assert len(notes) == 1 and Plan.from_dict(options) == Plan.from_patrickstar(PATRICKSTAR)
     # a native plan is not taken for a PatrickStar one
     assert Plan.from_dict({"optimizer": {"lr": 0.5}}).optimizer.lr == 0.5
-
-
-def test_readme_lists_exactly_the_refused_options():
-    import pathlib
-    import re
-
-    from fxstar.engine import implemented_options
-
-    implemented = implemented_options()
-    refused = [
-        name for name in plan_module._all_option_names()
-        if name not in implemented and name.split(".")[0] not in implemented
-    ]  # fmt: skip
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    listed = re.search(r"`NotImplementedError` when used\s+\(today: ([^)]*)\)", readme)
-    assert listed is not None, "README: the sentence listing the refused options moved"
-    assert re.findall(r"`([\w.]+)`", listed[1]) == refused
