@@ -58,6 +58,8 @@ from fxstar.verify import Verifier
 __all__ = ["Engine", "compile"]
 
 REFINED_STAGE = "chunk_plan_refined"  # the stage recorded when a program's plan is refined
+# the stage recorded when the ranks (sharded payloads) derived a plan unlike and took rank 0's
+AGREED_STAGE = "chunk_plan_from_rank_0"
 
 # the plan options the engine itself implements (the passes declare theirs): the optimizer,
 # verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
@@ -155,6 +157,8 @@ class Engine(nn.Module):
         self._step_ended = threading.Condition(self._lock)
         self._step_thread: threading.Thread | None = None  # whose step is open
         self._fed: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # see _check_model
+        # sharded payloads: the chunk plans the ranks agreed on, by id (held: ids stay theirs)
+        self._agreed_plans: dict[int, ChunkPlan] = {}
 
     # -- running ------------------------------------------------------------------------------
 
@@ -216,6 +220,7 @@ class Engine(nn.Module):
             output = program.run(args, kwargs)
         else:
             self._refine_plans()
+            self._agree_plan(program)
             self._fit_kept(program.decisions.chunk_plan)
             with self.chunks.running(program.decisions.chunk_plan):
                 output = program.run(args, kwargs)
@@ -529,13 +534,32 @@ class Engine(nn.Module):
             return
         compiled, observed = observation
         if self.chunks.sharded:  # every rank refines alike: its loads are collective
-            measured = self.chunks.data_parallel.agree_measured(observed.nonmodel_bytes)
+            measured = self.chunks.data_parallel.agree_measured(
+                None if observed is None else observed.nonmodel_bytes)  # fmt: skip
+            if measured is None:  # some rank's step could not be used: none refines
+                return
             observed = dataclasses.replace(observed, nonmodel_bytes=measured)
+        if observed is None:
+            return
         for program in self.programs.values():
             if program.decisions.chunk_plan is compiled:
                 program.decisions.chunk_plan = compiled.refined(observed)
                 program.decisions.chunk_observed = observed
                 program.record(REFINED_STAGE, by="engine")
+
+    def _agree_plan(self, program: Program) -> None:
+        """Sharded payloads: every load and eviction is a collective, so before any rank
+        first follows a chunk plan the ranks agree on it (ChunkGroups.agree_plan: each rank
+        derived its own, from its capture or its traced step); one that differed is replaced
+        by rank 0's, recorded as a stage of the program."""
+        plan = program.decisions.chunk_plan
+        if not self.chunks.sharded or id(plan) in self._agreed_plans:
+            return
+        agreed = self.chunks.data_parallel.agree_plan(plan)
+        self._agreed_plans[id(agreed)] = agreed
+        if agreed is not plan:
+            program.decisions.chunk_plan = agreed
+            program.record(AGREED_STAGE, by="engine")
 
     def _fit_kept(self, plan: ChunkPlan) -> None:
         """The chunks HybridAdam keeps on the compute tier for good are part of every plan:

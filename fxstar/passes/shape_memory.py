@@ -172,6 +172,15 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage `t` reaches, [first, last + 1)."""
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    return start, start + extent * t.element_size()
+
+
 def _grad_tensors(value: Any, params: set[int]) -> dict[int, int]:
     """Storage -> bytes of the tensors in `value` that get a gradient, parameters aside."""
     return {
@@ -333,10 +342,12 @@ class _Run:
         self.param_keys = {_storage_key(convert(t)) for t in model_tensors}
         # and what the program is fed in their place (tiles, shards a pass derived, buffer copies)
         self.param_keys |= {_storage_key(t) for t in self.fed.values()}
-        self.param_names: dict[int, list[str]] = {}  # storage -> parameter names
+        # storage -> (span, name) of each parameter fed from it: once the chunks hold the
+        # parameters (a later capture), every parameter of a chunk home views one storage
+        self.param_spans: dict[int, list[tuple[int, int, str]]] = {}
         for name, t in self.fed.items():
             if name in param_fed:
-                self.param_names.setdefault(_storage_key(t), []).append(name)
+                self.param_spans.setdefault(_storage_key(t), []).append((*_span(t), name))
         self.saved_params: dict[fx.Node, list[str]] = {}
         self.saved: dict[int, tuple[fx.Node | None, int]] = {}  # storage -> (node, bytes)
         self.keep: list[torch.Tensor] = []  # keeps storages alive so their keys stay unique
@@ -347,8 +358,8 @@ class _Run:
         storage = t.untyped_storage()
         key = _storage_key(t)
         current = self.recorder.current if self.recorder is not None else None
-        if key in self.param_names and current is not None:
-            self.saved_params.setdefault(current, []).append(self.param_names[key][0])
+        if key in self.param_spans and current is not None:
+            self.saved_params.setdefault(current, []).append(self.param_name(t))
         if key not in self.saved:
             self.saved[key] = (current, storage.nbytes())
             self.keep.append(t)
@@ -357,6 +368,18 @@ class _Run:
         # nothing to give back (no backward runs): a tensor handed back to the graph that
         # saved it would make a cycle through C++ autograd that keeps graph and program
         return None
+
+    def param_name(self, t: torch.Tensor) -> str:
+        """The parameter a saved tensor of parameter storage views (`linear` saves
+        `weight.t()`): the narrowest whose span holds the tensor's (the first fed of tied
+        names), else the first it overlaps, else the storage's first."""
+        spans = self.param_spans[_storage_key(t)]
+        start, stop = _span(t)
+        within = [(b - a, i) for i, (a, b, _) in enumerate(spans) if a <= start and stop <= b]
+        if within:
+            return spans[min(within)[1]][2]
+        overlapping = [name for a, b, name in spans if a < stop and start < b]
+        return overlapping[0] if overlapping else spans[0][2]
 
     def _interpreter(self, gm: fx.GraphModule) -> _Recorder:
         self.recorder = _Recorder(gm, self.measured, self.param_keys, self.convert)

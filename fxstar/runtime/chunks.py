@@ -346,15 +346,20 @@ class ChunkManager:
         finally:
             self._in_forward = False
 
-    def observe(self) -> tuple[ChunkPlan, Observed] | None:
+    def observe(self) -> tuple[ChunkPlan, Observed | None] | None:
         """Once per compiled ChunkPlan, after the first training step that followed it: what
         the step did (its real access order, the bytes besides chunks measured at each). The
-        engine makes a refined plan of it; the plan itself is never changed here."""
+        engine makes a refined plan of it; the plan itself is never changed here. None while
+        no step can be observed; (plan, None) when the step was one but its measurements do
+        not fit it: with sharded payloads every rank then answers the agreement, and none
+        refines."""
         plan = self._plan_source
         if plan is None or plan.observed is not None or id(plan) in self._observed:
             return None
         # one forward, then its backward, as many accesses of each as planned; not begun
-        # while an earlier forward's graph was still alive (its activations were measured too)
+        # while an earlier forward's graph was still alive (its activations were measured too).
+        # Both follow from the sequence of forwards and backwards, which every data-parallel
+        # rank runs alike (the step headers hold them to it, runtime/step_check.py)
         recorded = self.residency.recorded
         phases = [phase for _, phase in recorded]
         if self._overlapped or phases != sorted(plan.access.phases, key=PHASES.index):
@@ -362,7 +367,7 @@ class ChunkManager:
         self._observed.add(id(plan))
         measured = self.tracer.nonmodel_by_access()
         if len(measured) != len(recorded):
-            return None
+            return plan, None
         chunks, phases = zip(*recorded, strict=True)
         return plan, Observed(tuple(chunks), tuple(phases), tuple(measured))
 

@@ -26,7 +26,10 @@ all-gather, in place, each rank's own chunk copied into its place first; the res
 and evicts whole groups, runtime/residency.py); with `mem_saving` it is one broadcast of the
 chunk alone from its owner into its own block (`fetch`), so the compute tier needs room for
 one chunk rather than a group. Gradients go to their owners during backward
-(runtime/grad_shards.py).
+(runtime/grad_shards.py). Since every load is a collective, every rank follows one chunk
+plan: each plan a rank derives (compiled from a capture, refined from a traced step) is
+compared across the ranks before it is first followed, rank 0's taken where they differ
+(`agree_plan`), and a refinement takes the most bytes any rank measured (`agree_measured`).
 
 The process group is the engine's own (runtime/dist.new_group, with plan.dist_timeout), so a
 rank that stopped makes the others raise a CollectiveError naming the collective.
@@ -34,6 +37,8 @@ rank that stopped makes the others raise a CollectiveError naming the collective
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,6 +49,7 @@ from fxstar.runtime import dist as comm
 
 if TYPE_CHECKING:
     from fxstar.runtime.chunks import ChunkManager
+    from fxstar.runtime.layout import ChunkPlan
     from fxstar.runtime.residency import Chunk
 
 __all__ = ["ChunkGroups"]
@@ -71,6 +77,7 @@ class ChunkGroups:
         self.bytes_sent = 0  # bytes of the input tensors this rank handed to collectives
         self.bytes_fetched = 0  # sharded: payload bytes that came from their owner
         self.peak_staging_bytes = 0  # sharded: the most gradient staging held at once
+        self.plans_from_rank_0 = 0  # sharded: chunk plans the ranks derived unlike (agree_plan)
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.size
@@ -97,6 +104,9 @@ class ChunkGroups:
                    else "reduce-scatter and all-gather over a group buffer")  # fmt: skip
         fetched = (f", {self.bytes_fetched:,} fetched from owners, gradient staging peak "
                    f"{self.peak_staging_bytes:,} bytes" if self.sharded else "")  # fmt: skip
+        if self.plans_from_rank_0:
+            fetched += (f"; {self.plans_from_rank_0} chunk plans the ranks derived unlike, "
+                        "rank 0's followed")  # fmt: skip
         return (
             f"data parallel: rank {self.rank} of {self.size}, owns every chunk i with "
             f"i mod {self.size} == {self.rank} ({way}); largest communication buffer "
@@ -337,21 +347,45 @@ class ChunkGroups:
                         full[name] = view
         return full
 
-    def agree_measured(self, measured: Sequence[int]) -> tuple[int, ...]:
+    def agree_measured(self, measured: Sequence[int] | None) -> tuple[int, ...] | None:
         """Sharded: the bytes besides chunks a traced step measured at each access, the most
         of any rank, so every rank refines its plan alike (a load is collective: the ranks
-        must evict and fetch at the same accesses)."""
-        values = torch.tensor(list(measured), dtype=torch.int64)
-        count = torch.tensor([len(measured), -len(measured)], dtype=torch.int64)
+        must evict and fetch at the same accesses). None on every rank when any rank's step
+        could not be used (`measured` None there): no rank refines."""
+        length = -1 if measured is None else len(measured)
+        count = torch.tensor([length, -length], dtype=torch.int64)
         with self._guard("agreeing the measured step"):
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.pg)
+            if int(count[1]) == 1:  # some rank has none
+                return None
             if int(count[0]) != -int(count[1]):
                 raise RuntimeError(
                     "data parallel: the ranks traced steps of different lengths "
                     f"({-int(count[1])} to {int(count[0])} accesses); they must run one graph"
                 )
+            values = torch.tensor(list(measured), dtype=torch.int64)
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
         return tuple(int(v) for v in values)
+
+    def agree_plan(self, plan: ChunkPlan) -> ChunkPlan:
+        """Sharded, before a rank first follows a chunk plan: every rank's loads and
+        evictions are collectives, so every rank must follow one plan. Each plan is derived
+        on each rank (compiled from its capture, refined from its traced step); a CRC-32 of
+        what the residency decides by (the access plan, budget and share; the arena and the
+        load unit are the manager's, made once) is all-gathered, and where any differs every
+        rank takes rank 0's."""
+        what = repr((plan.access, plan.budget, plan.static_share))
+        mine = torch.tensor([zlib.crc32(what.encode())], dtype=torch.int64)
+        every = torch.zeros(self.size, dtype=torch.int64)
+        with self._guard("agreeing the chunk plan"):
+            comm._all_gather_single(every, mine, group=self.pg)
+            if bool((every == every[0]).all()):
+                return plan
+            theirs = [(plan.access, plan.budget, plan.static_share)]
+            dist.broadcast_object_list(theirs, group=self.pg, group_src=0)
+        access, budget, static_share = theirs[0]
+        self.plans_from_rank_0 += 1
+        return dataclasses.replace(plan, access=access, budget=budget, static_share=static_share)
 
     def gradients_reduced(self, manager: ChunkManager) -> None:
         """Sharded, before the update: what backward staged is with its owners (a backward

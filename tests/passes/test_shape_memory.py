@@ -110,3 +110,23 @@ def test_measuring_leaves_every_buffer_and_parameter_as_it_was():
     PassManager(["shape_memory"]).run(program)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), ("symbolic_trace", key)
+
+
+def _saved_params(program) -> dict[str, tuple[str, ...]]:
+    return {n.name: m.saved_params for n in program.graph_module.graph.nodes
+            if (m := n.meta.get(META_KEY)) is not None and m.saved_params}  # fmt: skip
+
+
+def test_a_later_capture_names_the_parameters_each_node_saves():
+    """Once the chunks hold the parameters, every one is a view of one host storage: a saved
+    view is named by where in it it lies, node for node as the first capture names it (the
+    chunk plan's backward fetches, which data-parallel ranks must derive alike)."""
+    from fxstar.engine import compile
+    from fxstar.plan import Plan
+
+    engine = compile(tiny_gpt(dropout=0.0), Plan(chunk_size=4096, device_memory="auto"), tokens())
+    engine(*tokens(seq=8)).backward()
+    first, later = engine.programs.values()
+    names = _saved_params(first)
+    assert len(set(sum(names.values(), ()))) > 10  # every block's weights and norms
+    assert _saved_params(later) == names

@@ -12,6 +12,7 @@ serial comparisons run without it; with dropout the replicas must stay bitwise o
 Spawning costs seconds, so each world size is one spawn that runs every case.
 """
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -198,9 +199,13 @@ def call(engine, model_name: str, ids: torch.Tensor, targets: torch.Tensor) -> t
     return engine(input_ids=ids, labels=targets).loss
 
 
-def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
+def train(name: str, rank: int, world: int, serial: bool = False, *,
+          shorter_from: int | None = None, uneven_plan: bool = False) -> dict:  # fmt: skip
     """Losses (per micro-batch) and final parameters of one run on rank `rank`'s slice of
-    the batches of `world` ranks (`serial`: all of them, in one process)."""
+    the batches of `world` ranks (`serial`: all of them, in one process). `shorter_from`:
+    every batch from that step on has half the sequence (a new capture on every rank).
+    `uneven_plan`: each rank's first chunk plan gets a budget one chunk per rank larger (a
+    plan the ranks derived unlike) before the first step."""
     options, model_name, dropout = ALL_CASES[name]
     plan = Plan.from_dict(options)
     model = MODELS[model_name](dropout)
@@ -212,11 +217,18 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
         example = {"example_kwargs": {"input_ids": ids[rows], "labels": targets[rows]}}
     engine = fxstar.compile(model, plan, **example)
     engine.chunks.checking = True
+    if uneven_plan:
+        chunk_plan = engine.program.decisions.chunk_plan
+        engine.program.decisions.chunk_plan = dataclasses.replace(
+            chunk_plan, budget=chunk_plan.budget + rank * chunk_plan.layout.chunk_bytes
+        )
     torch.manual_seed(100 + rank)
     losses = []
     micro = plan.optimizer.accumulation_steps
     groups = engine.chunks.data_parallel
-    for ids, targets in batches(world)[: STEPS * micro]:
+    for i, (ids, targets) in enumerate(batches(world)[: STEPS * micro]):
+        if shorter_from is not None and i >= shorter_from:
+            ids, targets = ids[:, : SEQ // 2].contiguous(), targets[:, : SEQ // 2].contiguous()
         before = groups.bytes_sent + groups.bytes_fetched if groups is not None else 0
         loss = call(engine, model_name, ids[rows], targets[rows])
         loss.backward()
@@ -245,6 +257,8 @@ def train(name: str, rank: int, world: int, serial: bool = False) -> dict:
             for c in engine.chunks.chunks
         ),
         "remote": sum(c.remote for c in engine.chunks.chunks),
+        "plans_from_rank_0": groups.plans_from_rank_0 if groups is not None else 0,
+        "stages": [[s.name for s in p.stages] for p in engine.programs.values()],
         "model_state_dict_whole": whole,
         "dump": fxstar.dump(engine) if name == "fp32" else "",
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
@@ -273,8 +287,9 @@ def key_bias_noise(bias: torch.Tensor) -> torch.Tensor:
     return torch.cat([bias[:width], bias[2 * width :]])
 
 
-def check_against_serial(results: list[dict], name: str, world: int) -> None:
-    serial = train(name, 0, world, serial=True)
+def check_against_serial(results: list[dict], name: str, world: int, **options) -> None:
+    """`options`: train's, the same in the serial run."""
+    serial = train(name, 0, world, serial=True, **options)
     bf16 = ALL_CASES[name][0].get("precision") == "bf16"
     per_rank = [r[name] for r in results]
     mean = torch.tensor([r["losses"] for r in per_rank]).mean(0)
@@ -423,8 +438,10 @@ def _out_of_step(rank: int, world: int) -> dict:
     """Sharded payloads: rank 1's batch is shorter at step 1 (it alone captures the new
     shape), then at step 3 it raises mid-forward (a token id out of range: the embedding reads
     it after the first group's gather). Replicated: every rank's batch is shorter at step 1
-    (they capture it together), then rank 1 raises at step 3."""
-    out = {}
+    (they capture it together), then rank 1 raises at step 3. Last, sharded again, every
+    rank's batch is shorter from step 2 on (they capture it together and train on), after
+    each rank began with a chunk plan of its own."""
+    out = {"every rank": {"fp32": train("fp32", rank, world, shorter_from=2, uneven_plan=True)}}
 
     def out_of_range(ids, targets):
         return ids.clone().index_fill_(1, torch.tensor([3]), VOCAB + 5), targets
@@ -468,6 +485,19 @@ def test_a_rank_out_of_step_or_shape_raises_on_every_rank_at_that_step():
         assert f"rank 1: step {steps}, training forward 5" in first, first
         assert first == other["errors"][4], shard  # the same message on every rank
         assert mine["errors"][4] is not None  # never silent
+    # sharded, every rank's shape changes: the ranks derive the new capture's plans alike
+    # (compiled and refined), train on, and match the serial run; the one plan they began
+    # with unlike (each rank's budget its own) was replaced by rank 0's on every rank
+    every = [rank0["every rank"], rank1["every rank"]]
+    check_replicas_equal(every, "fp32")
+    check_against_serial(every, "fp32", 2, shorter_from=2, uneven_plan=True)
+    for run in every:
+        info = run["fp32"]["info"]
+        assert info["plans_from_rank_0"] == 1, info["report"]
+        assert "rank 0's followed" in info["report"]
+        first, shorter = info["stages"]
+        assert "chunk_plan_from_rank_0" in first and "chunk_plan_from_rank_0" not in shorter
+        assert shorter[-1] == "chunk_plan_refined"
 
 
 def _res_check_cli(rank: int, world: int) -> str:
