@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 import fxstar
-from fxstar.live_bytes import step_peak
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.sizes import format_size
+from fxstar.testing.live_bytes import step_peak
 
 TARGET_BLOCK_CUT, TARGET_STEP, TARGET_AUTO = 4.0, 1.4, 0.10
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 import fxstar
-from fxstar.copy_bytes import CopyBytes
 from fxstar.dist_launch import spawn
 from fxstar.models.gpt import GPT, GPTConfig
+from fxstar.testing.copy_bytes import CopyBytes
 
 MODES = [("sync", "keep"), ("sync", "recompute"), ("async", "keep"), ("async", "recompute")]
 

@@ -44,7 +44,6 @@ from fxstar.plan import PlanError, resolve_device
 from fxstar.program import EXPORT, Program
 from fxstar.release import release_storage
 from fxstar.runtime import agreement, ops
-from fxstar.runtime import dist as tp
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.grad_norm import GradNorm
@@ -52,6 +51,8 @@ from fxstar.runtime.host import give_back_freed
 from fxstar.runtime.layout import ChunkPlan
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
+from fxstar.runtime.step_check import begin_forward
+from fxstar.runtime.tp_group import new_group, release_group
 from fxstar.sizes import format_size
 from fxstar.verify import Verifier
 
@@ -209,7 +210,7 @@ class Engine(nn.Module):
             yield
 
     def _forward(self, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-        tp.begin_forward(self, args, kwargs)  # ranks out of step raise (runtime/step_check)
+        begin_forward(self, args, kwargs)  # ranks out of step raise (runtime/step_check)
         args, kwargs = self._compute_inputs(args, kwargs)
         self._check_model()
         program = self._program_for(args, kwargs)
@@ -429,17 +430,17 @@ class Engine(nn.Module):
         if self.data_parallel_size > 1:
             if DP_GROUP not in self.shared:
                 partition = mesh.dp_groups() if mesh is not None else None
-                group = self.shared[DP_GROUP] = tp.new_group(timeout, partition)
-                weakref.finalize(self, tp.release_group, group).atexit = False
+                group = self.shared[DP_GROUP] = new_group(timeout, partition)
+                weakref.finalize(self, release_group, group).atexit = False
                 if mesh is not None:  # a checkpoint save gathers every rank's state
-                    whole = self.shared[MESH_GROUP] = tp.new_group(timeout)
-                    weakref.finalize(self, tp.release_group, whole).atexit = False
+                    whole = self.shared[MESH_GROUP] = new_group(timeout)
+                    weakref.finalize(self, release_group, whole).atexit = False
             agreement.agree(program, self.shared[DP_GROUP], tensors=False)
         if not tensor_parallel:
             return
         first = TP_GROUP not in self.shared
         if first:  # one process group per engine, with plan.dist_timeout, gone with it
-            group = self.shared[TP_GROUP] = tp.new_group(timeout, mesh.tp_partition())
+            group = self.shared[TP_GROUP] = new_group(timeout, mesh.tp_partition())
             weakref.finalize(self, group.release).atexit = False
         agreement.agree(program, self.shared[TP_GROUP], tensors=first)
 
@@ -886,7 +887,7 @@ class Engine(nn.Module):
             if self.chunks is not None:
                 self.chunks.close()
             for key in (TP_GROUP, DP_GROUP, MESH_GROUP):
-                tp.release_group(self.shared.pop(key, None))
+                release_group(self.shared.pop(key, None))
             self._closed = True
             self.programs.clear()
             self._optimizer = None

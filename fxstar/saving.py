@@ -122,7 +122,7 @@ from fxstar.checkpoint_values import (
 from fxstar.errors import CheckpointError
 from fxstar.mesh import DP_GROUP, MESH_GROUP
 from fxstar.passes.tensor_parallel import GROUP_KEY
-from fxstar.runtime import dist as tp
+from fxstar.runtime.tp_group import TPGroup, guard, process_group
 from fxstar.weights import WeightSource, parse_aliases, write_safetensors
 
 if TYPE_CHECKING:
@@ -352,7 +352,7 @@ def save(engine: Engine, path: str | os.PathLike) -> Path:
     return _on_rank_zero(write, group)
 
 
-def _gather(group: tp.TPGroup | None, give: Callable[[], Any]) -> list[Any]:
+def _gather(group: TPGroup | None, give: Callable[[], Any]) -> list[Any]:
     """Every rank's `give()` on rank 0, in rank order (empty elsewhere). A rank whose `give`
     raised sends the error's text instead (see `_checked`), so no rank waits for a part that
     never comes."""
@@ -360,11 +360,11 @@ def _gather(group: tp.TPGroup | None, give: Callable[[], Any]) -> list[Any]:
         mine: Any = give()
     except Exception as caught:
         mine = _Failed(f"{type(caught).__name__}: {caught}")
-    pg = tp.process_group(group)
+    pg = process_group(group)
     rank = dist.get_rank(pg)  # in the group: a tensor-parallel row of a mesh starts anywhere
     gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
-    with tp.guard("gather_object (checkpoint save)", group):
+    with guard("gather_object (checkpoint save)", group):
         dist.gather_object(mine, gathered, group=pg, group_dst=0)
     return gathered if rank == 0 else []
 
@@ -471,7 +471,7 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
     writes them all). Rank 0 gathers the small records (skeletons, checksums), writes
     training.json and swaps the directory in: never a rank's state through another."""
     group = _group(engine)
-    pg = tp.process_group(group)
+    pg = process_group(group)
     rank = dist.get_rank(pg)
     sharded = engine.chunks is not None and engine.chunks.sharded
     box: list[Any] = [None]
@@ -485,7 +485,7 @@ def _save_data_parallel(engine: Engine, path: str | os.PathLike) -> Path:
             box[0] = refused
         except Exception as caught:
             box[0] = CheckpointError(f"rank 0 could not make the checkpoint's directory: {caught}")
-    with tp.guard("broadcast_object_list (checkpoint save)", group):
+    with guard("broadcast_object_list (checkpoint save)", group):
         dist.broadcast_object_list(box, group=pg, group_src=0)
     if isinstance(box[0], Exception):
         raise box[0]
@@ -547,7 +547,7 @@ def _ranks(engine: Engine) -> int:
     return _tp_size(engine) * engine.data_parallel_size
 
 
-def _group(engine: Engine) -> tp.TPGroup | None:
+def _group(engine: Engine) -> TPGroup | None:
     """The engine's process group over every rank of its model (the mesh's, the tensor- or
     the data-parallel one)."""
     for key in (MESH_GROUP, GROUP_KEY, DP_GROUP):
@@ -559,7 +559,7 @@ def _group(engine: Engine) -> tp.TPGroup | None:
 def _rank(engine: Engine) -> int:
     """This rank's place among `_ranks(engine)` (its rank in `_group(engine)`)."""
     group = _group(engine)
-    return dist.get_rank(tp.process_group(group)) if _ranks(engine) > 1 else 0
+    return dist.get_rank(process_group(group)) if _ranks(engine) > 1 else 0
 
 
 def _saved_tp(meta: Mapping[str, Any]) -> int:
@@ -603,20 +603,20 @@ def _consolidated(
     return {**state, "optimizer": optimizer}, rngs
 
 
-def _on_rank_zero(save: Callable[[], Path], group: tp.TPGroup | None = None) -> Path:
+def _on_rank_zero(save: Callable[[], Path], group: TPGroup | None = None) -> Path:
     """Run `save` on rank 0 alone; every rank returns its path, or raises if it failed, so none
     goes on before the checkpoint is whole (a barrier that carries the outcome)."""
     outcome: list[Any] = [None]
     error = None
-    if dist.get_rank(tp.process_group(group)) == 0:
+    if dist.get_rank(process_group(group)) == 0:
         try:
             outcome[0] = save()
         except Exception as caught:  # told to the other ranks first, then raised here
             error = caught
             outcome[0] = CheckpointError(f"rank 0 failed to save the checkpoint: {caught}")
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
-    with tp.guard("broadcast_object_list (checkpoint save)", group):
-        dist.broadcast_object_list(outcome, group=tp.process_group(group), group_src=0)
+    with guard("broadcast_object_list (checkpoint save)", group):
+        dist.broadcast_object_list(outcome, group=process_group(group), group_src=0)
     if error is not None:
         raise error
     if isinstance(outcome[0], Exception):

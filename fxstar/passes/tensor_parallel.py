@@ -1,7 +1,7 @@
 """tensor_parallel: split the model across the ranks of the process group, as tp_sharding
 decided.
 
-Each column/row linear becomes a call to `fxstar.runtime.dist.column_linear`/`row_linear` on
+Each column/row linear becomes a call to `fxstar.runtime.tp_ops.column_linear`/`row_linear` on
 this rank's weight shard (the store derives the shard; `engine.state_dict()` all-gathers it
 back, so call it on every rank); shape arguments between them get per-rank head counts; with
 sequence parallelism the edges tp_sharding found get `scatter_to_seq`, `gather_from_seq` and
@@ -26,10 +26,9 @@ from fxstar.mesh import mesh_layout
 from fxstar.passes import Pass, register
 from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
 from fxstar.program import Program
-from fxstar.runtime import agreement, rng_tracker
-from fxstar.runtime import dist as tp
+from fxstar.runtime import agreement, rng_tracker, tp_ops
 from fxstar.runtime import vocab_parallel as vp
-from fxstar.runtime.tp_group import ATTR
+from fxstar.runtime.tp_group import ATTR, TPGroup, new_group, process_group
 
 __all__ = ["GROUP_KEY", "TensorParallel", "shard_of", "unshard"]
 
@@ -49,24 +48,24 @@ def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
     return torch.cat(pieces, dim + 1).flatten(dim, dim + 1)
 
 
-def _consolidate(dim: int, parts: int, group: tp.TPGroup):
+def _consolidate(dim: int, parts: int, group: TPGroup):
     def glue(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         (shard,) = tensors.values()
-        return unshard(tp.gather_shards(shard.detach(), group), dim, parts)
+        return unshard(tp_ops.gather_shards(shard.detach(), group), dim, parts)
 
     return glue
 
 
-def _engine_group(program: Program) -> tp.TPGroup:
+def _engine_group(program: Program) -> TPGroup:
     """A process group with plan.dist_timeout, destroyed when the engine's parameter store is
     freed (the Engine has no hook for it yet)."""
-    group = tp.new_group(program.plan.dist_timeout, mesh_layout(program.plan).tp_partition())
+    group = new_group(program.plan.dist_timeout, mesh_layout(program.plan).tp_partition())
     if program.store is not None:
         weakref.finalize(program.store, group.release).atexit = False
     return group
 
 
-def _group_node(gm: fx.GraphModule, group: tp.TPGroup) -> fx.Node:
+def _group_node(gm: fx.GraphModule, group: TPGroup) -> fx.Node:
     """The graph's get_attr of the group its collectives run on, added as its submodule."""
     gm.add_submodule(ATTR, group)
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
@@ -113,7 +112,7 @@ class TensorParallel(Pass):
         # first, while nothing can have failed on one rank only: all raise the same error
         if not program.decisions.tp_agreed:
             agreement.agree(program, group, tensors=first)
-        ranks = dist.get_world_size(tp.process_group(group))
+        ranks = dist.get_world_size(process_group(group))
         if ranks != config.size:
             raise TPShardingError(
                 f"plan.tensor_parallel.size is {config.size} but the engine's tensor-parallel "
@@ -143,7 +142,7 @@ class _Rewrite:
         self.graph = program.graph_module.graph
         self.nodes = {node.name: node for node in self.graph.nodes}
         # the rank within the tensor-parallel group: on a 2-D mesh not the global one
-        self.n, self.rank = config.size, dist.get_rank(tp.process_group(group))
+        self.n, self.rank = config.size, dist.get_rank(process_group(group))
         self.sp = config.sequence_parallel
         self.async_comm = config.async_communication
         # measured (benchmarks/tp.py): overlapped with grad_input the re-gather costs no time
@@ -174,9 +173,9 @@ class _Rewrite:
                 self._all_reduce(name, how)
         if s.vocab is not None:
             self._vocab(s.vocab)
-        self._boundaries(s.scatters, tp.scatter_to_seq, "scatter")
-        self._boundaries(s.gathers, tp.gather_from_seq, "gather")
-        self._boundaries(s.grad_reduces, tp.grad_all_reduce, "grad_reduce")
+        self._boundaries(s.scatters, tp_ops.scatter_to_seq, "scatter")
+        self._boundaries(s.gathers, tp_ops.gather_from_seq, "gather")
+        self._boundaries(s.grad_reduces, tp_ops.grad_all_reduce, "grad_reduce")
         self._random_streams(s)
 
     # -- linears --------------------------------------------------------------------------------
@@ -237,9 +236,9 @@ class _Rewrite:
             return new
 
         def across(local: fx.Node, label: str) -> fx.Node:
-            total = self._collective(tp.all_reduce_forward, local, f"all_reduce_{label}")
+            total = self._collective(tp_ops.all_reduce_forward, local, f"all_reduce_{label}")
             mean = op(aten.div.Tensor, total, self.n, shape=stat)
-            summed = self._collective(tp.grad_all_reduce, mean, f"grad_reduce_{label}")
+            summed = self._collective(tp_ops.grad_all_reduce, mean, f"grad_reduce_{label}")
             made.extend(((total, stat, f32), (summed, stat, f32)))
             return summed
 
@@ -273,7 +272,11 @@ class _Rewrite:
         kwargs = {"mem_saving": self.mem_saving, "group": self.group_node}
         with self.graph.inserting_after(node):
             total = self.graph.create_node(
-                "call_function", tp.all_reduce_forward, (node,), kwargs, name=f"all_reduce_{name}"
+                "call_function",
+                tp_ops.all_reduce_forward,
+                (node,),
+                kwargs,
+                name=f"all_reduce_{name}",
             )
         last = total
         if how == "mean":
@@ -304,7 +307,7 @@ class _Rewrite:
         if column:
             kwargs["recompute"] = self.recompute
         kwargs.update(mem_saving=self.mem_saving, transposed=site.transposed, group=self.group_node)
-        fn = tp.column_linear if column else tp.row_linear
+        fn = tp_ops.column_linear if column else tp_ops.row_linear
         with self.graph.inserting_before(out):
             name = f"{site.style}_{site.module.replace('.', '_')}"
             new = self.graph.create_node("call_function", fn, (x, weight, bias), kwargs, name=name)
@@ -407,7 +410,7 @@ class _Rewrite:
                 if label == "scatter":
                     val = _shaped_val(val, _local_shape(args[1] or val.shape, self.n))
                 elif label == "gather":
-                    val = _shaped_val(val, tp.full_shape(val.shape, self.n))
+                    val = _shaped_val(val, tp_ops.full_shape(val.shape, self.n))
                 new.meta["val"] = val
                 note(new, "tp", label)
                 made[args] = new

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fxstar.errors import RankMismatchError
-from fxstar.runtime import dist as comm
-from fxstar.runtime.tp_group import TPGroup
+from fxstar.runtime.tp_group import TPGroup, guard, process_group
 
 __all__ = ["RankMismatchError", "agree", "fingerprint", "mismatch_message"]
 
@@ -200,9 +199,9 @@ def mismatch_message(prints: Sequence[Mapping], texts: Sequence[str] | None = No
 
 
 def _all_gather(obj: Any, group: TPGroup | None, purpose: str) -> list[Any]:
-    pg = comm.process_group(group)
+    pg = process_group(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
-    with comm.guard(f"all_gather_object ({purpose}, at compile)", group):
+    with guard(f"all_gather_object ({purpose}, at compile)", group):
         dist.all_gather_object(out, obj, group=pg)
     return out
 

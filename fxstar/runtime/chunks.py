@@ -61,7 +61,7 @@ __all__ = [
     "Handle",
 ]
 
-PHASES = ["forward", "backward"]
+STEP_PHASES = ["forward", "backward"]  # the order of a step's phases in an access plan
 T = TypeVar("T")
 
 
@@ -362,7 +362,7 @@ class ChunkManager:
         # rank runs alike (the step headers hold them to it, runtime/step_check.py)
         recorded = self.residency.recorded
         phases = [phase for _, phase in recorded]
-        if self._overlapped or phases != sorted(plan.access.phases, key=PHASES.index):
+        if self._overlapped or phases != sorted(plan.access.phases, key=STEP_PHASES.index):
             return None
         self._observed.add(id(plan))
         measured = self.tracer.nonmodel_by_access()

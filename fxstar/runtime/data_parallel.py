@@ -31,7 +31,7 @@ plan: each plan a rank derives (compiled from a capture, refined from a traced s
 compared across the ranks before it is first followed, rank 0's taken where they differ
 (`agree_plan`), and a refinement takes the most bytes any rank measured (`agree_measured`).
 
-The process group is the engine's own (runtime/dist.new_group, with plan.dist_timeout), so a
+The process group is the engine's own (runtime/tp_group.new_group, with plan.dist_timeout), so a
 rank that stopped makes the others raise a CollectiveError naming the collective.
 """
 
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime import dist as comm
+from fxstar.runtime.tp_group import TPGroup, guard, process_group
 
 if TYPE_CHECKING:
     from fxstar.runtime.chunks import ChunkManager
@@ -59,12 +59,12 @@ class ChunkGroups:
     """Which chunks this rank owns, and the collectives that keep the replicas one model."""
 
     def __init__(
-        self, size: int, group: comm.TPGroup, *, mem_saving: bool = False, sharded: bool = False
+        self, size: int, group: TPGroup, *, mem_saving: bool = False, sharded: bool = False
     ):
         self.group = group
         # ZeRO-3: a rank holds its own chunks' homes only; the others come from their owner
         self.sharded = sharded
-        self.pg = comm.process_group(group)
+        self.pg = process_group(group)
         self.size = size
         self.rank = dist.get_rank(self.pg)
         if dist.get_world_size(self.pg) != size:
@@ -117,7 +117,7 @@ class ChunkGroups:
     # -- collectives, each named in errors --------------------------------------------------------
 
     def _guard(self, what: str, *, wait: bool = False):
-        return comm.guard(f"{what} (data parallel)", self.group, wait=wait)
+        return guard(f"{what} (data parallel)", self.group, wait=wait)
 
     def _buffer(self, numel: int, like: torch.Tensor, purpose: str = "data_parallel"
                 ) -> torch.Tensor:  # fmt: skip
@@ -151,7 +151,7 @@ class ChunkGroups:
         size = block.numel() // self.size
         own = block[self.rank * size : (self.rank + 1) * size]
         with self._guard(f"all-gathering chunks {first} to {first + self.size - 1}"):
-            work = comm._all_gather_single(block, own, group=self.pg, async_op=not wait)
+            work = dist.all_gather_single(block, own, group=self.pg, async_op=not wait)
         self.bytes_sent += own.nbytes
         self.bytes_fetched += block.nbytes - own.nbytes
         return work
@@ -174,7 +174,7 @@ class ChunkGroups:
             return staged if owners[0] == self.rank else None
         out = self._buffer(chunk_size, staged, "data_parallel_out")
         with self._guard("reduce-scattering gradients to their owners"):
-            comm._reduce_scatter_single(out, staged, group=self.pg)
+            dist.reduce_scatter_single(out, staged, group=self.pg)
         self.bytes_sent += staged.nbytes
         return out
 
@@ -211,7 +211,7 @@ class ChunkGroups:
         for i, grad in enumerate(grads):
             stacked[i * chunk_size : i * chunk_size + grad.numel()].copy_(grad)
         with self._guard("reduce-scattering gradients to their owners"):
-            comm._reduce_scatter_single(out, stacked, group=self.pg)
+            dist.reduce_scatter_single(out, stacked, group=self.pg)
         self.bytes_sent += stacked.nbytes
         if not mine.numel():
             return None
@@ -231,7 +231,7 @@ class ChunkGroups:
         own = homes[self.rank]
         mine[: own.numel()].copy_(own)
         with self._guard("all-gathering updated parameters"):
-            comm._all_gather_single(gathered, mine, group=self.pg)
+            dist.all_gather_single(gathered, mine, group=self.pg)
         self.bytes_sent += mine.nbytes
         for i, home in enumerate(homes):
             if i != self.rank and home.numel():
@@ -378,7 +378,7 @@ class ChunkGroups:
         mine = torch.tensor([zlib.crc32(what.encode())], dtype=torch.int64)
         every = torch.zeros(self.size, dtype=torch.int64)
         with self._guard("agreeing the chunk plan"):
-            comm._all_gather_single(every, mine, group=self.pg)
+            dist.all_gather_single(every, mine, group=self.pg)
             if bool((every == every[0]).all()):
                 return plan
             theirs = [(plan.access, plan.budget, plan.static_share)]

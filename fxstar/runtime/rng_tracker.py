@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.dist import full_shape, own_tokens
 from fxstar.runtime.tp_group import TPGroup, guard, process_group
+from fxstar.runtime.tp_ops import full_shape, own_tokens
 
 __all__ = [
     "RankStream",

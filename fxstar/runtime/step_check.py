@@ -44,8 +44,6 @@ MAGIC = 0x66787374_5354  # 'fxstST': a header, not another collective's payload
 WORDS = ("magic", "step", "forward", "collective", "capture", "what", "inputs")
 SAMPLE_BYTES = 4 << 20  # a larger input tensor is fingerprinted from a strided sample
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 ROLES = {DP_GROUP: "data-parallel", MESH_GROUP: "mesh"}  # any other engine group: tensor parallel
 
 
@@ -85,7 +83,7 @@ class StepCursor:
             return
         self._words[:] = (MAGIC, self.step, self.forward, self.collective, self.capture,
                           _crc(what), self.inputs)  # fmt: skip
-        _all_gather_single(self.gathered, self.words, group=self.pg)
+        dist.all_gather_single(self.gathered, self.words, group=self.pg)
         self.collective += 1
         rows = self._rows
         if (rows == rows[0]).all():

@@ -8,7 +8,7 @@ activation of a step, and replicated they cost every rank the full [tokens, V]. 
   with one all-reduce, or, read on sequence-parallel token blocks, one reduce-scatter that
   also cuts this rank's block (backward: each rank's rows get the gradient where their ids
   were);
-- the head is an ordinary column-parallel linear (`dist.column_linear`): logits [.., V/N];
+- the head is an ordinary column-parallel linear (`tp_ops.column_linear`): logits [.., V/N];
 - the cross-entropy reads the sharded logits: the max, the target's logit and the sum of the
   exponentials are all-reduced (three [tokens] vectors), so full logits never exist. Backward
   needs no collective: each rank's logit gradient is its softmax slice minus its part of the
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.dist import Collectives, _AllReduceForward, _ReduceScatterSeq
 from fxstar.runtime.tp_group import TPGroup
+from fxstar.runtime.tp_ops import Collectives, _AllReduceForward, _ReduceScatterSeq
 
 __all__ = ["gather_from_vocab", "vocab_cross_entropy", "vocab_embedding"]
 

@@ -10,13 +10,13 @@ import fxstar
 from fxstar.capture import capture
 from fxstar.dump import diff, dump, to_dot
 from fxstar.engine import compile
-from fxstar.live_bytes import step_peak
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.activation_checkpoint import REGION_KEY, region_calls
 from fxstar.passes.checkpoint_regions import find_regions
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.passes.shape_memory import ShapeMemory
 from fxstar.plan import Plan, PlanError
+from fxstar.testing.live_bytes import step_peak
 
 
 def gpt(layers: int = 4, dropout: float = 0.1) -> GPT:

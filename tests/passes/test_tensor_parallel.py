@@ -23,7 +23,7 @@ from fxstar.passes import PassManager, passes_for
 from fxstar.passes.tp_rules import Call, Refusal, Shard, module_path, rule_for
 from fxstar.passes.tp_sharding import TPShardingError
 from fxstar.plan import Plan
-from fxstar.runtime import dist as tp
+from fxstar.runtime import tp_ops
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 MODES = list(itertools.product((False, True), repeat=2))  # (async, recompute)
@@ -503,12 +503,12 @@ def _set_modes(engine, async_comm: bool, recompute: bool, mem_saving: bool) -> N
     """Flip the collective nodes' mode arguments in every capture (the graph is the same)."""
     for program in engine.programs.values():
         for node in program.graph_module.graph.nodes:
-            if node.op != "call_function" or node.target.__module__ != tp.__name__:
+            if node.op != "call_function" or node.target.__module__ != tp_ops.__name__:
                 continue
             kwargs = dict(node.kwargs, mem_saving=mem_saving)
-            if node.target in (tp.column_linear, tp.row_linear):
+            if node.target in (tp_ops.column_linear, tp_ops.row_linear):
                 kwargs["async_comm"] = async_comm
-            if node.target is tp.column_linear:
+            if node.target is tp_ops.column_linear:
                 kwargs["recompute"] = recompute
             node.kwargs = kwargs
         program.graph_module.recompile()
@@ -594,7 +594,7 @@ def test_world_size_2_all_modes_match_single_process():
     failures = [f for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:20])
     text = results[0]["infos"]["gpt2"]["dump"]
-    for expected in ("dist.column_linear(", "dist.row_linear(", "dist.scatter_to_seq(",
+    for expected in ("tp_ops.column_linear(", "tp_ops.row_linear(", "tp_ops.scatter_to_seq(",
                      "group=tp_group, sequence_parallel=True)  # f32[2,8,32] tp=vocab-parallel",
                      "gather_layer_norm_4", "grad_reduce_", "f32[2,16,48]", "f32[2,8,32]",
                      "tp_group = self.tp_group"):  # fmt: skip
@@ -643,7 +643,7 @@ def _saved_by_columns(world: int, recompute: bool) -> dict[str, int]:
         node.name: node.meta[MEMORY].saved_bytes
         for node in program.graph_module.graph.nodes
         if node.op == "call_function"
-        and node.target is tp.column_linear
+        and node.target is tp_ops.column_linear
         and node.name != "column_head"  # the vocab-parallel head: its input is not [.., 32]
     }
 

@@ -13,21 +13,21 @@ from fxstar.capture import capture
 from fxstar.dist_launch import spawn
 from fxstar.passes.shape_memory import META_KEY as MEMORY
 from fxstar.passes.tp_vocab import find_vocab
-from fxstar.runtime import dist as tp
-from fxstar.runtime import rng_tracker
+from fxstar.runtime import rng_tracker, tp_ops
 from fxstar.runtime import vocab_parallel as vp
+from fxstar.runtime.tp_group import new_group
 
 
 def _logits_bytes(engine) -> int:
     """What shape_memory measured for the head's output (the logits) on this rank."""
-    linears = (tp.column_linear, torch.ops.aten.linear.default)
+    linears = (tp_ops.column_linear, torch.ops.aten.linear.default)
     nodes = [n for n in engine.program.graph_module.graph.nodes if n.target in linears]
     return nodes[-1].meta[MEMORY].out_bytes  # the head is the last linear
 
 
 def _cross_entropy_cases(world: int, rank: int, failures: list[str]) -> None:
     """The loss alone against F.cross_entropy: ignored targets, every reduction, gradients."""
-    group = tp.new_group(30)
+    group = new_group(30)
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(12, VOCAB, generator=g, dtype=torch.float64)
     target = torch.randint(0, VOCAB, (12,), generator=g)
@@ -85,7 +85,7 @@ def _embedding_collectives(engine) -> list[str]:
     for node in engine.program.graph_module.graph.nodes:
         if node.target is vp.vocab_embedding:
             kind = "reduce_scatter" if node.kwargs.get("sequence_parallel") else "all_reduce"
-            if any(user.target is tp.scatter_to_seq for user in node.users):
+            if any(user.target is tp_ops.scatter_to_seq for user in node.users):
                 kind += "+scatter"
             kinds.append(kind)
     return kinds
@@ -226,7 +226,7 @@ def _dropout_worker(rank: int, world: int) -> dict:
     whole = torch.ops.aten.dropout.default(torch.ones(2, 8, 4), 0.5, True)
     torch.manual_seed(7)
     sliced = rng_tracker.seq_dropout(torch.ones(2, 8 // world, 4), 0.5, True, group=group)
-    if not torch.equal(sliced, tp.own_tokens(whole, world, rank)):
+    if not torch.equal(sliced, tp_ops.own_tokens(whole, world, rank)):
         failures.append("seq_dropout is not the slice of the whole sequence's mask")
     kinds = {}
     for node in engine.program.graph_module.graph.nodes:

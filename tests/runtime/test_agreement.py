@@ -14,9 +14,10 @@ from conftest import tiny_gpt, tokens
 
 import fxstar
 from fxstar.dist_launch import spawn
+from fxstar.errors import CollectiveError
 from fxstar.plan import Plan, PlanError
-from fxstar.runtime import dist as tp
 from fxstar.runtime.agreement import RankMismatchError, fingerprint, mismatch_message
+from fxstar.runtime.tp_group import guard
 
 TIMEOUT = 5.0  # seconds, the spawned ranks' plan.dist_timeout
 
@@ -88,13 +89,13 @@ def test_dist_timeout_is_validated():
 def test_lost_peers_become_collective_errors_and_other_errors_pass():
     timed_out = r"(?s)all_reduce in row_linear forward .*timed out.*another rank probably failed"
     with (
-        pytest.raises(tp.CollectiveError, match=timed_out),
-        tp.guard("all_reduce in row_linear forward"),
+        pytest.raises(CollectiveError, match=timed_out),
+        guard("all_reduce in row_linear forward"),
     ):
         raise RuntimeError("[pair.cc:78] Timed out waiting 5000ms for recv operation")
-    with pytest.raises(tp.CollectiveError, match="lost its connection"), tp.guard("all_gather"):
+    with pytest.raises(CollectiveError, match="lost its connection"), guard("all_gather"):
         raise RuntimeError("Connection closed by peer [127.0.0.1]:2447")
-    with pytest.raises(RuntimeError, match="^bad shape$"), tp.guard("all_gather"):
+    with pytest.raises(RuntimeError, match="^bad shape$"), guard("all_gather"):
         raise RuntimeError("bad shape")  # not a lost peer: unchanged
 
 
@@ -124,14 +125,14 @@ def _worker(rank: int, world: int) -> dict:
     # refuse it at the forward's first collective, then train on
     try:
         engine(*tokens(seed=2 + rank)).backward()
-    except tp.CollectiveError as error:
+    except CollectiveError as error:
         out["inputs"] = str(error)
     engine(*args).backward()
     if rank == 0:
         start = time.monotonic()
         try:
             engine(*args).backward()
-        except tp.CollectiveError as error:
+        except CollectiveError as error:
             out["skipped"] = str(error)
         out["waited"] = time.monotonic() - start
     torch.distributed.barrier()  # the default group: rank 1 waits here for rank 0's error

@@ -40,47 +40,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxstar.errors import CollectiveError
 from fxstar.runtime.buffer_pool import BufferPool
-from fxstar.runtime.step_check import begin_forward
-from fxstar.runtime.tp_group import (
-    TPGroup,
-    group_timeout,
-    guard,
-    new_group,
-    process_group,
-    release_group,
-)
+from fxstar.runtime.tp_group import TPGroup, guard, process_group
 
 __all__ = [
-    "CollectiveError",
     "Collectives",
-    "TPGroup",
     "all_gather_seq",
     "all_reduce_forward",
-    "begin_forward",
     "column_linear",
     "full_shape",
     "gather_from_seq",
     "gather_shards",
     "grad_all_reduce",
-    "group_timeout",
-    "guard",
-    "process_group",
-    "new_group",
     "own_tokens",
     "reduce_scatter_seq",
-    "release_group",
     "row_linear",
     "scatter_to_seq",
 ]
 
 SEQ_DIM = -2
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; both take the
-# concatenated (dim 0) form.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # -- collectives ----------------------------------------------------------------------------------
@@ -140,7 +118,7 @@ class Collectives:
         flat, own = out.view(self.world, -1), x.contiguous().view(-1)
         if not self.mem_saving:
             return self._issue("all_gather", lambda: [
-                _all_gather_single(flat.view(-1), own, group=pg, async_op=async_op)
+                dist.all_gather_single(flat.view(-1), own, group=pg, async_op=async_op)
             ])  # fmt: skip
         flat[self.rank].copy_(own)
         return self._issue("all_gather (as broadcasts)", lambda: [
@@ -154,8 +132,9 @@ class Collectives:
         pg = self.pg
         parts = x.view(self.world, -1)
         if not self.mem_saving:
+            flat = out.view(-1)
             return self._issue("reduce_scatter", lambda: [
-                _reduce_scatter_single(out.view(-1), parts.view(-1), group=pg, async_op=async_op)
+                dist.reduce_scatter_single(flat, parts.view(-1), group=pg, async_op=async_op)
             ])  # fmt: skip
 
         def reduces() -> list[Any]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxstar.copy_bytes import CopyBytes
 from fxstar.dist_launch import spawn
-from fxstar.runtime import dist as tp
+from fxstar.runtime import tp_ops
+from fxstar.testing.copy_bytes import CopyBytes
 
 B, S, H, OUT = 2, 8, 12, 16
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -40,7 +40,7 @@ def _leaf(t):
 
 def _block(t, rank, n):
     """This rank's sequence-parallel token block of a full [B, S, ...] tensor."""
-    return tp.own_tokens(t, n, rank)
+    return tp_ops.own_tokens(t, n, rank)
 
 
 def _check_column(rank, n, sp, async_comm, recompute, mem_saving, transposed):
@@ -51,7 +51,7 @@ def _check_column(rank, n, sp, async_comm, recompute, mem_saving, transposed):
     w_r = w[out_slice]
     w_in = _leaf(w_r.t() if transposed else w_r)
     b_in = _leaf(b[out_slice])
-    y = tp.column_linear(
+    y = tp_ops.column_linear(
         x_in, w_in, b_in, sequence_parallel=sp, async_comm=async_comm, recompute=recompute,
         mem_saving=mem_saving, transposed=transposed,
     )  # fmt: skip
@@ -73,7 +73,7 @@ def _check_row(rank, n, sp, async_comm, mem_saving, transposed):
     w_r = w[:, in_slice]
     w_in = _leaf(w_r.t() if transposed else w_r)
     b_in = _leaf(b)
-    y = tp.row_linear(x_in, w_in, b_in, sequence_parallel=sp, async_comm=async_comm,
+    y = tp_ops.row_linear(x_in, w_in, b_in, sequence_parallel=sp, async_comm=async_comm,
                       mem_saving=mem_saving, transposed=transposed)  # fmt: skip
     # the replicated loss is counted once: each rank backpropagates its own part of it
     g = _block(gy, rank, n) if sp else gy
@@ -89,35 +89,35 @@ def _check_boundaries(rank, n, mem_saving):
     x, _, _, _ = _full(2)
     # scatter (backward all-gathers) then gather (backward keeps the own slice): identity
     xr = _leaf(x)
-    local = tp.scatter_to_seq(xr, mem_saving=mem_saving)
+    local = tp_ops.scatter_to_seq(xr, mem_saving=mem_saving)
     torch.testing.assert_close(local, _block(x, rank, n))
-    full = tp.gather_from_seq(local * 2, mem_saving=mem_saving)
+    full = tp_ops.gather_from_seq(local * 2, mem_saving=mem_saving)
     torch.testing.assert_close(full, x * 2)
     full.sum().backward()
     torch.testing.assert_close(xr.grad, torch.full_like(x, 2.0))
     # all_gather_seq before replicated work doubles the gradient (why sites choose)
     xl = _leaf(_block(x, rank, n))
-    tp.all_gather_seq(xl, mem_saving=mem_saving).sum().backward()
+    tp_ops.all_gather_seq(xl, mem_saving=mem_saving).sum().backward()
     torch.testing.assert_close(xl.grad, torch.full_like(xl, float(n)))
     # reduce_scatter_seq sums partials; backward all-gathers
     xp = _leaf(x * (rank + 1))
-    out = tp.reduce_scatter_seq(xp, mem_saving=mem_saving)
+    out = tp_ops.reduce_scatter_seq(xp, mem_saving=mem_saving)
     torch.testing.assert_close(out, _block(x * sum(range(1, n + 1)), rank, n), **TOL)
     out.sum().backward()
     torch.testing.assert_close(xp.grad, torch.ones_like(x))
     # a [S, H] tensor added to [B, S, H] tokens (a position embedding): the block is cut
     # from it broadcast; backward sums the batch's gradients
     pos = _leaf(x[0])
-    local = tp.scatter_to_seq(pos, (B, S, H), mem_saving=mem_saving)
+    local = tp_ops.scatter_to_seq(pos, (B, S, H), mem_saving=mem_saving)
     torch.testing.assert_close(local, _block(x[0].expand(B, S, H), rank, n))
-    tp.gather_from_seq(local, mem_saving=mem_saving).sum().backward()
+    tp_ops.gather_from_seq(local, mem_saving=mem_saving).sum().backward()
     torch.testing.assert_close(pos.grad, torch.full_like(pos, float(B)))
     # f and g
     p = _leaf(torch.ones(3))
-    (tp.grad_all_reduce(p, mem_saving=mem_saving) * (rank + 1)).sum().backward()
+    (tp_ops.grad_all_reduce(p, mem_saving=mem_saving) * (rank + 1)).sum().backward()
     torch.testing.assert_close(p.grad, torch.full((3,), float(sum(range(1, n + 1)))))
     q = _leaf(torch.full((3,), float(rank)))
-    r = tp.all_reduce_forward(q, mem_saving=mem_saving)
+    r = tp_ops.all_reduce_forward(q, mem_saving=mem_saving)
     torch.testing.assert_close(r, torch.full((3,), float(sum(range(n)))))
     r.sum().backward()
     torch.testing.assert_close(q.grad, torch.ones(3))
@@ -136,7 +136,7 @@ def _saved_bytes(rank, n, recompute):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = tp.column_linear(x_in, w_in, None, sequence_parallel=True, recompute=recompute)
+        y = tp_ops.column_linear(x_in, w_in, None, sequence_parallel=True, recompute=recompute)
     y.sum().backward()
     return sum(saved.values())
 
@@ -151,10 +151,10 @@ def _layout_copies(rank, n):
         w_row = _leaf(w[: OUT // n].t())  # [H, OUT/N]: the row linear's input features
         grad_out = gy[..., :H].contiguous()
         with CopyBytes() as log:
-            y = tp.column_linear(x_in, w_in, b_in, sequence_parallel=True,
+            y = tp_ops.column_linear(x_in, w_in, b_in, sequence_parallel=True,
                                  async_comm=async_comm, recompute=recompute)  # fmt: skip
-            z = tp.row_linear(y, w_row, None, sequence_parallel=True, async_comm=async_comm)
-            out = tp.gather_from_seq(z)
+            z = tp_ops.row_linear(y, w_row, None, sequence_parallel=True, async_comm=async_comm)
+            out = tp_ops.gather_from_seq(z)
             torch.autograd.grad(out, (x_in, w_in, b_in, w_row), grad_out)
         copies[(async_comm, recompute)] = log.copies
     return copies
