@@ -2,13 +2,16 @@
 
 `Plan.from_dict` hands a config here when it looks like PatrickStar's (`is_patrickstar`);
 `Plan.from_patrickstar` always does. Only what the config states is mapped; missing keys take
-fxstar's defaults, which differ from PatrickStar's in places (e.g. lr and with_mem_cache).
+fxstar's defaults, which differ from PatrickStar's in places (e.g. lr and with_mem_cache),
+except device_memory: PatrickStar always budgets the card, so a config without it gets 'auto'.
 
     optimizer.type/params -> optimizer (params.use_hybrid_adam -> hybrid_adam)
     fp16.enabled -> precision 'fp16' or 'fp32'; the other fp16 keys -> loss_scale
     default_chunk_size -> chunk_size; use_cpu_embedding -> cpu_embedding
     gradient_clipping (<= 0 means off) -> optimizer.clip_grad_norm
     client.mem_tracer.* -> the tracer options (use_/with_ prefixes dropped)
+    client.mem_tracer.warmup_gpu_chunk_mem_ratio other than 0.1 needs with_static_partition
+    no device_memory -> 'auto': the card's memory x overall_gpu_mem_ratio, as PatrickStar's
     client.opts.with_mem_saving_comm -> mem_saving_comm; with_mem_cache -> mem_cache 2 or 0
     client.opts.with_async_move: read and ignored (a note says so)
 
@@ -75,7 +78,9 @@ def plan_options(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _fp16(config, options)
     options.update({new: config[old] for old, new in _RENAMES.items() if old in config})
     _gradient_clipping(config, options)
-    return options, _client(config, options)
+    notes = _client(config, options)
+    options.setdefault("device_memory", "auto")  # PatrickStar always budgets the card
+    return options, notes
 
 
 def _section(data: Mapping, key: str, known: Sequence[str], prefix: str) -> Mapping:

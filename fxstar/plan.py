@@ -171,24 +171,51 @@ def _device(v, name) -> str:
 
 
 def resolve_device(plan: Plan) -> torch.device | None:
-    """The compute device `plan.device` names on this machine; None for 'auto' without an
-    accelerator (the model's own device). A device the machine does not have is refused."""
+    """The compute device `plan.device` names on this machine, made the process's current CUDA
+    device (collectives and bare 'cuda' tensors go there); None for 'auto' without an
+    accelerator (the model's own device). 'auto' and 'cuda' mean this process's card: under
+    torchrun (LOCAL_RANK set) the local rank's, so the ranks of a node take one card each
+    (under fake_dist they share the current one). A device the machine does not have is
+    refused."""
     name = plan.device
-    if name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else None  # fmt: skip
-    device = torch.device(name)
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = 0 if device.index is None else device.index
-        if index >= count:
-            raise PlanError(
-                f"device: {name!r} does not exist here: this machine has {count} CUDA "
-                f"device(s){' (torch is a CPU build)' if torch.version.cuda is None else ''}; "
-                "use 'auto' (an accelerator if there is one, else the host) or 'cpu'"
-            )
-        device = torch.device("cuda", index)
-    return device
+    if name == "auto" and not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda" if name == "auto" else name)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index, which = device.index, repr(name)
+    remedy = "use 'auto' (an accelerator if there is one, else the host) or 'cpu'"
+    local = os.environ.get("LOCAL_RANK")
+    if index is None and local is not None and count and not plan.fake_dist:
+        index, which = int(local), f"{name!r} under torchrun (LOCAL_RANK {local}'s card)"
+        remedy = ("launch at most one process per card (torchrun --nproc-per-node), or set "
+                  "fake_dist for the ranks to share one")  # fmt: skip
+    elif index is None:
+        index = torch.cuda.current_device() if count else 0
+    if index >= count:
+        raise PlanError(
+            f"device: {which} does not exist here: this machine has {count} CUDA "
+            f"device(s){' (torch is a CPU build)' if torch.version.cuda is None else ''}; "
+            f"{remedy}"
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _check_warmup_share(plan: Plan) -> None:
+    """warmup_gpu_chunk_mem_ratio is PatrickStar's share for chunks while usage is not traced
+    yet, which its static partition keeps for the whole run. fxstar traces the step at
+    compile time, so it has no warm-up: the share means something only under static_partition,
+    and a value set without it is refused rather than ignored."""
+    default = Plan.__dataclass_fields__["warmup_gpu_chunk_mem_ratio"].default
+    if plan.warmup_gpu_chunk_mem_ratio != default and not plan.static_partition:
+        raise PlanError(
+            f"warmup_gpu_chunk_mem_ratio={plan.warmup_gpu_chunk_mem_ratio:g} is read only with "
+            "static_partition=True (the chunks' fixed share of device_memory): without it the "
+            "chunks take, at each moment, what the traced step leaves, and there is no warm-up "
+            "to apply a share to; set static_partition=True or leave the ratio out"
+        )
 
 
 def _chunk_size(v, name):
@@ -590,7 +617,9 @@ class Plan:
     )  # fmt: skip
     warmup_gpu_chunk_mem_ratio: float = _option(
         0.1, check=_real(0, 1, lo_open=True), feature=_TRACER,
-        doc="Share of device_memory chunks may use before usage has been traced (warm-up).",
+        doc="With static_partition: the chunks' share of device_memory for the whole run "
+        "(PatrickStar's warm-up share, which its static partition keeps). Refused without "
+        "static_partition: the step is traced at compile time, so there is no warm-up.",
     )  # fmt: skip
     overall_gpu_mem_ratio: float = _option(
         0.8, check=_real(0, 1, lo_open=True), feature=_TRACER,
@@ -707,6 +736,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         _validate(self, "")
+        _check_warmup_share(self)
 
     # -- building and copying -----------------------------------------------------------------
 

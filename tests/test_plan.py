@@ -2,6 +2,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from fxstar import plan as plan_module
 from fxstar.plan import (
@@ -12,6 +13,7 @@ from fxstar.plan import (
     TensorParallelConfig,
     TiledLinearConfig,
     option_names,
+    resolve_device,
 )
 from fxstar.sizes import Share
 
@@ -527,3 +529,50 @@ def test_patrickstar_module():
     assert len(notes) == 1 and Plan.from_dict(options) == Plan.from_patrickstar(PATRICKSTAR)
     # a native plan is not taken for a PatrickStar one
     assert Plan.from_dict({"optimizer": {"lr": 0.5}}).optimizer.lr == 0.5
+
+
+@pytest.fixture
+def four_cards(monkeypatch):
+    """torch.cuda as on a machine with four cards, card 0 current; the cards set current are
+    recorded."""
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return chosen
+
+
+def test_auto_and_cuda_under_torchrun_take_the_local_ranks_card_and_make_it_current(
+    four_cards, monkeypatch
+):
+    assert resolve_device(Plan()) == torch.device("cuda", 0)  # not under torchrun: current
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert resolve_device(Plan()) == torch.device("cuda", 2)
+    assert resolve_device(Plan(device="cuda")) == torch.device("cuda", 2)
+    assert resolve_device(Plan(device="cuda:1")) == torch.device("cuda", 1)  # named: as named
+    assert resolve_device(Plan(device="cpu")) == torch.device("cpu")
+    assert four_cards == [0, 2, 2, 1]
+    # fake_dist: the ranks share one card, the current one
+    assert resolve_device(Plan(fake_dist=True)) == torch.device("cuda", 0)
+
+
+def test_more_ranks_on_a_node_than_cards_is_refused_by_name(four_cards, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    message = (r"'auto' under torchrun \(LOCAL_RANK 5's card\) does not exist here: this "
+               r"machine has 4 CUDA device.*--nproc-per-node")  # fmt: skip
+    with pytest.raises(PlanError, match=message):
+        resolve_device(Plan())
+    assert four_cards == []
+
+
+def test_warmup_gpu_chunk_mem_ratio_is_read_only_with_static_partition():
+    plan = Plan(device_memory=1 << 20, static_partition=True, warmup_gpu_chunk_mem_ratio=0.3)
+    assert plan.warmup_gpu_chunk_mem_ratio == 0.3
+    message = r"warmup_gpu_chunk_mem_ratio=0.3 is read only with static_partition=True"
+    with pytest.raises(PlanError, match=message):
+        Plan(device_memory=1 << 20, warmup_gpu_chunk_mem_ratio=0.3)
+    with pytest.raises(PlanError, match=message):
+        plan.replace(static_partition=False)
+    assert Plan(warmup_gpu_chunk_mem_ratio=0.1).static_partition is False  # the default
