@@ -65,7 +65,15 @@ def spawn(
 def init_from_env() -> None:
     """Join the process group `torchrun` describes (RANK, WORLD_SIZE, MASTER_ADDR in the
     environment): NCCL where there is a GPU, gloo elsewhere. Nothing to do when a group exists
-    already or the process was not launched by torchrun."""
+    already or the process was not launched by torchrun. With NCCL the local rank's card is
+    made current first: NCCL binds each rank to the current card, and ranks left on card 0
+    would collide there before compile chose their cards."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
