@@ -1,7 +1,7 @@
 """What a checkpoint may hold: every value read back is checked as a Plan's options are, by
 the same checks (fxstar/plan.py), before any of it reaches torch.
 
-A checksum (fxstar/saving.py) tells a damaged file from a whole one; it cannot tell an edited
+A checksum (fxstar/saving/) tells a damaged file from a whole one; it cannot tell an edited
 file whose checksums were written again, or a checkpoint of another tool, from a good one.
 These checks stand between such a file and the optimizer: the learning rate, betas, eps,
 weight decay, the step counts, the loss scaler's fields and the RNG states are numbers (or

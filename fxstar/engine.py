@@ -703,7 +703,7 @@ class Engine(nn.Module):
             grads.update({n: self.chunks.slot_grad(slots[n]) for n in grads if n in slots})
         return self.store.consolidate_grads(grads)
 
-    # -- checkpoints (fxstar/saving.py) -----------------------------------------------------
+    # -- checkpoints (fxstar/saving/) -------------------------------------------------------
 
     @property
     def step_count(self) -> int:
@@ -747,9 +747,9 @@ class Engine(nn.Module):
     def training_state(self) -> dict[str, Any]:
         """Step, RNG states, optimizer state and what is registered (see fxstar.saving);
         `state_dict()` stays the model's, so the eager model can load it."""
-        from fxstar.saving import training_state
+        from fxstar.saving import training_state, view_of
 
-        return training_state(self)
+        return training_state(view_of(self))
 
     @_whole_state
     def save(self, path: str | os.PathLike) -> str:

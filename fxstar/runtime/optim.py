@@ -505,7 +505,7 @@ class HybridAdam(torch.optim.Optimizer):
         if state_dict.pop("fxstar_data_parallel", 1) != size:  # another layout's chunk ids
             device_chunks = None  # the device half is chosen again at the next step
         if self.hybrid and device_chunks is not None and not self._placed:
-            # a data-parallel checkpoint holds every rank's kept chunks (saving._consolidated)
+            # a data-parallel checkpoint holds every rank's kept chunks (DataParallelRanks.read)
             if groups is not None and groups.sharded:  # whole groups, every rank alike
                 every = groups.groups(self.manager.chunks)
                 self._keep_whole_groups(

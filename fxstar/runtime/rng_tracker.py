@@ -15,7 +15,7 @@ positions of rank 0's heads and rank 1's, so the run is not statistically a seri
 
 A tracker belongs to an engine's process group and is held by it (`TPGroup.stream`, which the
 graph holds: no registry), its seed is rank 0's initial seed plus 2718 plus the rank
-(Megatron's offset), and its state is saved with checkpoints (`fxstar/saving.py`) and
+(Megatron's offset), and its state is saved with checkpoints (`fxstar/saving/rng.py`) and
 replayed when a checkpointed region recomputes (`fxstar/runtime/recompute.py`), so a resume
 is bit for bit and recomputed masks match.
 """

@@ -982,7 +982,7 @@ def test_tensor_parallel_2_x_data_parallel_2_matches_the_tensor_parallel_run(tmp
     first = names[0]
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == sorted([ckpt.PARAMETERS, ckpt.TENSORS, ckpt.STATE, ckpt.MANIFEST,
-                            *(ckpt._rank_file(r) for r in (1, 2, 3))])  # fmt: skip
+                            *(ckpt.rank_tensors_file(r) for r in (1, 2, 3))])  # fmt: skip
     checkpoint = fxstar.load(tmp_path / "ckpt")
     assert checkpoint.meta["ranks"] == 4 and checkpoint.meta["data_parallel"] == 2
     assert {n: tuple(t.shape) for n, t in checkpoint.parameters.items()} == {

@@ -1,0 +1,148 @@
+"""What a checkpoint reads from and writes into an engine: one typed view, made by `view_of`.
+
+The layouts and the training state see this view, never the engine: `view_of` is the one place
+that reads the engine's process groups, chunks and parameter store for a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxstar.mesh import DP_GROUP, MESH_GROUP
+from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
+from fxstar.runtime.tp_group import TPGroup
+from fxstar.saving.collective import rank_in
+
+if TYPE_CHECKING:
+    from fxstar.engine import Engine
+    from fxstar.params import ParameterStore
+    from fxstar.runtime.rank_stream import RankStream
+
+Pairs = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class World:
+    """The ranks one model runs on, as a checkpoint counts them."""
+
+    group: TPGroup | None = None  # over every rank of the model (mesh, tensor or data parallel)
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks save one checkpoint together (1: this process alone)."""
+        return self.tensor_parallel * self.data_parallel
+
+    def rank(self) -> int:
+        """This process's place among `ranks` (its rank in `group`)."""
+        return rank_in(self.group) if self.ranks > 1 else 0
+
+
+@dataclass(frozen=True)
+class TrainingView:
+    """An engine as a checkpoint sees it: what a save writes and what a load restores."""
+
+    model_class: str  # the model's class name, recorded in training.json
+    plan: dict[str, Any]  # the plan's options as training.json records them (no loss function)
+    world: World
+    # this rank holds only its own chunks' parameter values (sharded data-parallel payloads)
+    sharded: bool
+    # the model's state dict, whole: collective under tensor parallelism and sharded payloads
+    state_dict: Callable[[], dict[str, torch.Tensor]]
+    # this rank's state dict without a collective (sharded: other ranks' chunks as meta tensors)
+    local_state_dict: Callable[[], dict[str, torch.Tensor]]
+    parameters: Mapping[str, nn.Parameter]  # the tensors the engine trains, by name
+    parameter_names: frozenset[str]  # every name of the model's parameters, tied ones too
+    optimizer: Any
+    objects: Mapping[str, Any]  # saved beside the optimizer: loss scaler, scheduler, registered
+    accumulation_steps: int
+    step_count: int  # micro-steps taken
+    set_step_count: Callable[[int], None]
+    rank_stream: RankStream | None  # the tensor-parallel RNG stream of this rank
+    # copies (name, value) pairs into the tensors the engine trains, one value at a time
+    copy_parameters: Callable[[Pairs], None]
+    zero_grad: Callable[[], None]
+
+    def rank_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters this rank saves and checks a load against: its own chunks' with
+        sharded payloads (no collective), else the whole model's."""
+        return self.local_state_dict() if self.sharded else self.state_dict()
+
+
+def view_of(engine: Engine) -> TrainingView:
+    """The engine's training-state view (see TrainingView)."""
+    groups = engine.shared  # the process groups passes and the engine made
+    whole = next((groups[k] for k in (MESH_GROUP, TP_GROUP, DP_GROUP)
+                  if groups.get(k) is not None), None)  # fmt: skip
+    tp_group = groups.get(TP_GROUP)
+    plan = engine.plan.to_dict()
+    plan.pop("loss_fn", None)  # code, not state
+    store = engine.store
+    return TrainingView(
+        model_class=type(engine.model).__name__,
+        plan=plan,
+        world=World(whole, _tensor_parallel_size(engine), engine.data_parallel_size),
+        sharded=engine.chunks is not None and engine.chunks.sharded,
+        state_dict=engine.state_dict,
+        local_state_dict=engine.local_state_dict,
+        parameters=dict(engine.named_parameters()),
+        parameter_names=frozenset(
+            n for n, _ in engine.model.named_parameters(remove_duplicate=False)
+        ),
+        optimizer=engine.optimizer,
+        objects=engine.stateful(),
+        accumulation_steps=engine.plan.optimizer.accumulation_steps,
+        step_count=engine.step_count,
+        set_step_count=lambda count: setattr(engine, "step_count", count),
+        rank_stream=None if tp_group is None else tp_group.stream,
+        copy_parameters=lambda pairs: copy_parameters(store, pairs),
+        zero_grad=lambda: engine.zero_grad(set_to_none=True),
+    )
+
+
+def _tensor_parallel_size(engine: Engine) -> int:
+    """The plan's tensor-parallel size where a process group runs it, else 1."""
+    config = engine.plan.tensor_parallel
+    if config is None or config.size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return config.size
+
+
+def copy_parameters(store: ParameterStore, params: Pairs) -> None:
+    """Copy into the tensors the engine trains, never replacing them (the optimizer, the chunk
+    manager and the model hold them; a copy bumps their version, so a chunk whose compute
+    copy is stale is fetched again). A parameter a pass cut into parts (tiles) is cut the
+    same way; a buffer is copied into the engine's own. Given pairs one at a time, each
+    value is let go before the next is read."""
+    fed = store.tensors()
+    done: set[str] = set()
+
+    def copy(name: str, value: torch.Tensor) -> None:
+        if name in fed and not isinstance(fed[name], nn.Parameter):
+            fed[name].copy_(value)  # a buffer (bf16/fp16: the traced copy's)
+            return
+        canonical = store.aliases(name)[0]
+        if canonical not in done:
+            done.add(canonical)
+            store.assign(canonical, value)
+
+    one_by_one(params.items() if isinstance(params, Mapping) else params, copy)
+
+
+def one_by_one(
+    pairs: Iterable[tuple[str, torch.Tensor]], copy: Callable[[str, torch.Tensor], Any]
+) -> None:
+    """`copy(name, value)` for each pair, without grad; each value let go before the next is
+    read, so a stream of a checkpoint's tensors never holds two."""
+    pairs = iter(pairs)
+    with torch.no_grad():
+        while (pair := next(pairs, None)) is not None:
+            copy(*pair)
+            del pair
