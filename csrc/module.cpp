@@ -5,6 +5,7 @@
 
 #include "arena.hpp"
 #include "cpu_adam.hpp"
+#include "disk_io_bindings.hpp"
 #include "host_buffer.hpp"
 #include "kernels/dispatch.hpp"
 #include "tier_copy.hpp"
@@ -34,7 +35,7 @@ py::dict stats_dict(const fxstar::ArenaStats& s) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fxstar's compiled core: the arena allocator, host buffers, copies between them and the CPU Adam kernels.";
+  m.doc() = "fxstar's compiled core: the arena allocator, host buffers, copies between them, the CPU Adam kernels and asynchronous disk I/O.";
 
   // A MemoryError subclass that carries the numbers, so callers can react without parsing text.
   static py::handle oom_type = PyErr_NewExceptionWithDoc(
@@ -126,4 +127,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("selected_variant", [] { return std::string(fxstar::select_variant("").name); });
   m.def("cpu_features", &fxstar::cpu_features);
   m.def("format_bytes", &fxstar::format_bytes, "nbytes"_a);
+  fxstar::bind_disk_io(m);
 }

@@ -58,9 +58,9 @@ bool is_contiguous(const DLTensor& t) {
   return true;
 }
 
-}  // namespace
-
-TensorArg tensor_arg(py::handle obj, const char* name) {
+// The checks every argument passes first: exported through DLPack, in host memory.
+// Returns the (unconsumed) capsule; its DLTensor stays valid while the capsule lives.
+py::object exported(py::handle obj, const char* name, const DLTensor** tensor) {
   if (obj.is_none()) type_error(std::string(name) + ": expected a tensor, got None");
   py::object capsule;
   if (PyCapsule_CheckExact(obj.ptr())) {
@@ -82,26 +82,62 @@ TensorArg tensor_arg(py::handle obj, const char* name) {
   }
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   const DLTensor& t = managed->dl_tensor;
-
-  TensorArg arg;
-  arg.name = name;
   if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost) {
     value_error(std::string(name) + ": must be in host memory, got a tensor on " +
                 describe_device(t.device) + " (move it to the CPU first)");
   }
-  arg.dtype = to_dtype(t.dtype, name);
+  *tensor = &t;
+  return capsule;
+}
+
+void require_contiguous(const DLTensor& t, const char* name) {
   if (!is_contiguous(t)) {
     value_error(std::string(name) + ": must be contiguous (call .contiguous() first)");
   }
+}
+
+int64_t numel_of(const DLTensor& t) {
   int64_t numel = 1;
   for (int i = 0; i < t.ndim; ++i) numel *= t.shape[i];
-  arg.numel = numel;
+  return numel;
+}
+
+}  // namespace
+
+TensorArg tensor_arg(py::handle obj, const char* name) {
+  const DLTensor* dl = nullptr;
+  py::object capsule = exported(obj, name, &dl);
+  const DLTensor& t = *dl;
+  TensorArg arg;
+  arg.name = name;
+  arg.dtype = to_dtype(t.dtype, name);
+  require_contiguous(t, name);
+  arg.numel = numel_of(t);
   arg.data = static_cast<char*>(t.data) + t.byte_offset;
-  if (numel > 0 && arg.data == nullptr) value_error(std::string(name) + ": has no data");
+  if (arg.numel > 0 && arg.data == nullptr) value_error(std::string(name) + ": has no data");
   if (reinterpret_cast<uintptr_t>(arg.data) % itemsize(arg.dtype) != 0) {
     value_error(std::string(name) + ": data is not aligned to its element size");
   }
   // The capsule stays unconsumed: its destructor returns the producer's reference.
+  arg.keepalive = std::move(capsule);
+  return arg;
+}
+
+ByteBuffer byte_buffer_arg(py::handle obj, const char* name) {
+  const DLTensor* dl = nullptr;
+  py::object capsule = exported(obj, name, &dl);
+  const DLTensor& t = *dl;
+  const uint64_t bits = uint64_t{t.dtype.bits} * t.dtype.lanes;
+  if (bits == 0 || bits % 8 != 0) {
+    type_error(std::string(name) + ": dtype " + describe_dtype(t.dtype) +
+               " does not fill whole bytes");
+  }
+  require_contiguous(t, name);
+  ByteBuffer arg;
+  arg.name = name;
+  arg.nbytes = static_cast<uint64_t>(numel_of(t)) * (bits / 8);
+  arg.data = static_cast<char*>(t.data) + t.byte_offset;
+  if (arg.nbytes > 0 && arg.data == nullptr) value_error(std::string(name) + ": has no data");
   arg.keepalive = std::move(capsule);
   return arg;
 }

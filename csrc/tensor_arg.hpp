@@ -24,6 +24,18 @@ struct TensorArg {
 // a contiguous layout; raises TypeError/ValueError naming `name` otherwise.
 TensorArg tensor_arg(pybind11::handle obj, const char* name);
 
+// The bytes of a tensor of any dtype, for code that moves bytes without reading them (file I/O).
+struct ByteBuffer {
+  std::string name;
+  char* data = nullptr;
+  uint64_t nbytes = 0;
+  pybind11::object keepalive;  // as TensorArg's
+};
+
+// Takes any object with __dlpack__ whose elements are whole bytes; the same checks as
+// tensor_arg but any dtype.
+ByteBuffer byte_buffer_arg(pybind11::handle obj, const char* name);
+
 // Raises ValueError naming both arguments when their bytes overlap.
 void require_disjoint(const TensorArg& a, const TensorArg& b);
 void require_same_numel(const TensorArg& a, const TensorArg& b);

@@ -12,6 +12,7 @@ from fxstar.engine import Engine, compile
 from fxstar.errors import (
     CaptureError,
     CollectiveError,
+    DiskIOError,
     EngineStateError,
     FxstarError,
     IRError,
@@ -41,6 +42,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CollectiveError",
+    "DiskIOError",
     "Engine",
     "EngineStateError",
     "FxstarError",

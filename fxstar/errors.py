@@ -6,6 +6,7 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "CollectiveError",
+    "DiskIOError",
     "EngineStateError",
     "FxstarError",
     "IRError",
@@ -117,3 +118,38 @@ class CollectiveError(FxstarError, RuntimeError):
 class RankMismatchError(FxstarError, RuntimeError):
     """The ranks compiled different plans, graphs or parameters; the message names every
     difference with its value per rank. Every rank raises the same message."""
+
+
+class DiskIOError(FxstarError, OSError):
+    """A file of the disk tier could not be opened, read, written or synced: the disk is full
+    (ENOSPC; EFBIG over a file size limit), the device failed (EIO), the directory vanished
+    (ENOENT) or is read-only (EROFS, EACCES), or a read or write moved fewer bytes than asked
+    (errno None: the file ends early). Raised where the bytes were needed, never replaced by
+    zeros. An OSError too, with `errno`, `strerror` and `filename` set; also `operation`
+    ('open', 'read', 'write', 'sync'), `path`, `offset` and `nbytes` of the request, and
+    `failed_at`, the file offset where the transfer stopped."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        path: str,
+        offset: int,
+        nbytes: int,
+        failed_at: int,
+        errno: int | None,
+        strerror: str,
+    ):
+        super().__init__(message)
+        self.operation = operation
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        self.failed_at = failed_at
+        self.errno = errno
+        self.strerror = strerror
+        self.filename = path
+
+    def __str__(self) -> str:
+        return self.args[0]
