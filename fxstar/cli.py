@@ -117,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from fxstar.passes.chunk_layout import uses_chunks
+    from fxstar.topology import Topology
     from fxstar.train import TrainConfig, res_check_gpt, train, train_target, write_json
 
     # everything checkable is checked before training: a mistake found after it loses the run
@@ -139,7 +139,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                              "factory makes its own model and inputs")  # fmt: skip
         target = load_target(args.target)
     plan = _plan(args, target.plan if target is not None else None)
-    if args.timeline is not None and not uses_chunks(plan):
+    if args.timeline is not None and not Topology(plan).uses_chunks:
         raise UsageError("--timeline: draws the chunk engine's memory; give --device-memory")
     if target is not None:
         result = train_target(target, plan, steps=args.steps, log_every=args.log_every,

@@ -4,6 +4,9 @@ A pass records its decision here before it rewrites (the runtime follows the rec
 shows it, a test or a later pass reads it), so what a pass chose never hides in a string key
 of a dict. A pass written outside fxstar keeps its own under `custom[its name]`.
 Per-node facts (a node's measured bytes, the notes dumps print) stay in `node.meta`.
+What the first capture of an engine decides for every later one (its chunk layout, budget and
+arena: a layout must be the same for every input shape) is `EngineDecisions`, one object the
+engine hands every Program it captures.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ if TYPE_CHECKING:  # the types only: passes import this module, never the other 
     from fxstar.runtime.layout import ChunkLayout, ChunkPlan, Observed
     from fxstar.runtime.offload import ActivationOffload
 
-__all__ = ["Decisions"]
+__all__ = ["Decisions", "EngineDecisions"]
 
 
 @dataclass
@@ -43,3 +46,13 @@ class Decisions:
     chunk_observed: Observed | None = None  # what the first step measured (the engine)
     report_lines: list[str] = field(default_factory=list)  # lines passes add to the report
     custom: dict[str, Any] = field(default_factory=dict)  # pass name -> its decision
+
+
+@dataclass
+class EngineDecisions:
+    """Decided once per engine, followed by each of its captures (None until decided)."""
+
+    chunk_layout: ChunkLayout | None = None  # which chunk and offset: every capture's layout
+    auto_budget: int | None = None  # the budget device_memory='auto' settled on
+    arena_capacity: int | None = None  # the arena the first chunk plan made: later ones run in it
+    kept_bytes: int = 0  # compute-tier bytes HybridAdam keeps as a capture compiles

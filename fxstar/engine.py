@@ -31,19 +31,18 @@ from torch import nn
 
 from fxstar import placement
 from fxstar.capture import capture
+from fxstar.decisions import EngineDecisions
 from fxstar.errors import EngineStateError, UsageError
 from fxstar.estimate import Estimate, estimate
-from fxstar.mesh import DP_GROUP, MESH_GROUP, data_parallel_size, mesh_layout, sharded_payloads
 from fxstar.model_snapshot import AttributeState, ModelSnapshot
 from fxstar.params import ParameterStore
 from fxstar.passes import PassManager, passes_for
 from fxstar.passes import implemented_options as pass_options
-from fxstar.passes.chunk_layout import KEPT_KEY, check_chunk_options
-from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
+from fxstar.passes.chunk_layout import check_chunk_options
 from fxstar.plan import PlanError, resolve_device
 from fxstar.program import EXPORT, Program
 from fxstar.release import release_storage
-from fxstar.runtime import agreement, ops
+from fxstar.runtime import ops
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.grad_norm import GradNorm
@@ -52,8 +51,8 @@ from fxstar.runtime.layout import ChunkPlan
 from fxstar.runtime.loss_scale import LossScaler, scale_gradients
 from fxstar.runtime.optim import HybridAdam
 from fxstar.runtime.step_check import begin_forward
-from fxstar.runtime.tp_group import new_group, release_group
 from fxstar.sizes import format_size
+from fxstar.topology import Topology
 from fxstar.verify import Verifier
 
 __all__ = ["Engine", "compile"]
@@ -123,8 +122,11 @@ class Engine(nn.Module):
             )
         self._weights_line: str | None = None
         self._local_depth = 0  # inside _local_state_dicts: the model's own, not gathered
+        # the ranks and their process groups (made at the first compile, gone with the engine)
+        self.topology = Topology(plan)
+        weakref.finalize(self, self.topology.release).atexit = False
         # under torchrun: the replicas this process is one of (runtime/data_parallel.py)
-        self.data_parallel_size = data_parallel_size(plan)
+        self.data_parallel_size = self.topology.data_parallel_size
         self.device = placement.place(model, plan)  # the compute device (None: the model's)
         self.dynamic_shapes = dynamic_shapes
         self.method = method
@@ -140,7 +142,7 @@ class Engine(nn.Module):
         # the low-precision copy's buffers as last mirrored into the model's (_mirror_buffers)
         self._buffer_values = {n: b.clone() for n, b in self.traced.named_buffers()} if low else {}
         self.scaler = LossScaler.from_config(plan.loss_scale) if plan.precision == "fp16" else None
-        self.shared: dict[str, Any] = {}  # engine-wide pass decisions (Program.shared)
+        self.engine_decisions = EngineDecisions()  # what every capture of this engine follows
         self._optimizer: torch.optim.Optimizer | None = None
         self.chunks: ChunkManager | None = None  # set up by the chunk passes' first compile
         self._micro_steps = 0
@@ -316,23 +318,20 @@ class Engine(nn.Module):
     def _rollback_point(self) -> Callable[[], None]:
         """What `_compile` may change, and the function that puts it back: the model (and the
         low-precision copy traced in its place: fxstar/model_snapshot.py), the parameter
-        store, the engine-wide pass decisions (process groups made stay: every rank made
-        them), the chunks, the weights' report."""
+        store, the engine-wide pass decisions (the topology's process groups made stay: every
+        rank made them), the chunks, the weights' report."""
         models = (self.model,) if self.traced is self.model else (self.model, self.traced)
         snapshot = ModelSnapshot(*models)
         # the store's tables, and the parts of each derived parameter (rebind replaces them)
         store = [AttributeState(self.store), *map(AttributeState, self.store._derived.values())]
-        chunks, shared = self.chunks, dict(self.shared)
+        chunks, decided = self.chunks, AttributeState(self.engine_decisions)
         fields = {name: copy.copy(getattr(self, name))
                   for name in ("_weights_line", "_fed", "_buffer_values")}  # fmt: skip
 
         def rollback() -> None:
             if self.chunks is not chunks:
                 self._discard_chunks()
-            for key in [k for k in self.shared if k not in shared]:
-                if key not in (TP_GROUP, DP_GROUP, MESH_GROUP):
-                    del self.shared[key]
-            self.shared.update(shared)
+            decided.restore()
             for name, value in fields.items():
                 setattr(self, name, value)
             for state in store:
@@ -364,9 +363,10 @@ class Engine(nn.Module):
                 method=self.method,
             )
         program.store = self.store
-        program.shared = self.shared
+        program.engine_decisions, program.topology = self.engine_decisions, self.topology
         # what HybridAdam keeps on the compute tier: a later capture's plan counts it
-        self.shared[KEPT_KEY] = self.chunks.kept_bytes() if self.chunks is not None else 0
+        kept = self.chunks.kept_bytes() if self.chunks is not None else 0
+        self.engine_decisions.kept_bytes = kept
         self._agree_ranks(program)
         check = None
         if self.plan.verify:
@@ -412,37 +412,10 @@ class Engine(nn.Module):
                 raise EngineStateError(str(error)) from None
 
     def _agree_ranks(self, program: Program) -> None:
-        """Tensor parallel: before any pass, while nothing can have failed on one rank only,
-        the ranks of a tensor-parallel group agree on the plan, the graph and (first capture)
-        the full parameters; every rank raises the same error otherwise (runtime/agreement.py).
-        Data parallel: on the plan and the graph (the replicas' parameters are rank 0's,
-        broadcast once the chunks hold them). On a 2-D mesh both, each over its own groups
-        (mesh.py: tp groups are consecutive ranks, dp groups one rank of each), which
-        together link every rank; the engine's groups are made here, in the same order on
-        every rank (every rank makes every group)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            return  # the tensor_parallel pass says what is missing
-        config = self.plan.tensor_parallel
-        tensor_parallel = config is not None and config.size > 1
-        mesh = mesh_layout(self.plan) if tensor_parallel else None
-        timeout = self.plan.dist_timeout
-        if self.data_parallel_size > 1:
-            if DP_GROUP not in self.shared:
-                partition = mesh.dp_groups() if mesh is not None else None
-                group = self.shared[DP_GROUP] = new_group(timeout, partition)
-                weakref.finalize(self, release_group, group).atexit = False
-                if mesh is not None:  # a checkpoint save gathers every rank's state
-                    whole = self.shared[MESH_GROUP] = new_group(timeout)
-                    weakref.finalize(self, release_group, whole).atexit = False
-            agreement.agree(program, self.shared[DP_GROUP], tensors=False)
-        if not tensor_parallel:
-            return
-        first = TP_GROUP not in self.shared
-        if first:  # one process group per engine, with plan.dist_timeout, gone with it
-            group = self.shared[TP_GROUP] = new_group(timeout, mesh.tp_partition())
-            weakref.finalize(self, group.release).atexit = False
-        agreement.agree(program, self.shared[TP_GROUP], tensors=first)
+        """Before any pass, while nothing can have failed on one rank only: the ranks agree on
+        the plan, the graph and (tensor parallel, first capture) the full parameters over the
+        topology's groups, made at the first compile (Topology.agree)."""
+        self.topology.agree(program)
 
     def _setup_chunks(self, program: Program) -> list[torch.Tensor]:
         """Once per engine, after the chunk passes: the ChunkManager takes the parameters over.
@@ -515,9 +488,9 @@ class Engine(nn.Module):
         layout = program.decisions.chunk_plan.layout
         groups = None
         if layout.ranks > 1:
-            groups = ChunkGroups(layout.ranks, self.shared[DP_GROUP],
+            groups = ChunkGroups(layout.ranks, self.topology.data_group,
                                  mem_saving=self.plan.mem_saving_comm,
-                                 sharded=sharded_payloads(self.plan))  # fmt: skip
+                                 sharded=self.topology.sharded_payloads)  # fmt: skip
         return ChunkManager.from_plan(
             program.decisions.chunk_plan, tensors, masters=masters,
             monitor=self.plan.async_mem_monitor,
@@ -675,7 +648,8 @@ class Engine(nn.Module):
                 sharded |= program.decisions.tp_sharding.params
         tensors = self.store.tensors()
         groups = self.chunks.data_parallel if self.chunks is not None else None
-        return GradNorm(self.shared.get(TP_GROUP), [tensors[n] for n in sharded if n in tensors],
+        return GradNorm(self.topology.tensor_group,
+                        [tensors[n] for n in sharded if n in tensors],
                         groups.group if own_chunks and groups is not None else None)  # fmt: skip
 
     def _clip(self, max_norm: float, norm: GradNorm) -> None:
@@ -886,8 +860,7 @@ class Engine(nn.Module):
                 return
             if self.chunks is not None:
                 self.chunks.close()
-            for key in (TP_GROUP, DP_GROUP, MESH_GROUP):
-                release_group(self.shared.pop(key, None))
+            self.topology.release()
             self._closed = True
             self.programs.clear()
             self._optimizer = None
@@ -1017,19 +990,18 @@ def _claim(model: nn.Module, engine: Engine) -> None:
     """One chunk or bf16/fp16 engine per model: such an engine rebinds the model's parameters
     to its own chunk homes, so a second engine over the same model would train a copy the
     first never sees (and the model would show only one of them)."""
-    from fxstar.passes.chunk_layout import uses_chunks
-
     other = _owner(model)
     if (
         other is not None
         and other.model is model
-        and (uses_chunks(other.plan) or uses_chunks(engine.plan))
+        and (other.topology.uses_chunks or engine.topology.uses_chunks)
     ):
+        theirs = other.topology.uses_chunks
         raise EngineStateError(
             f"{type(model).__name__} is already compiled by another fxstar engine that "
-            + ("keeps" if uses_chunks(other.plan) else "would share")
+            + ("keeps" if theirs else "would share")
             + " its parameters"
-            + (" in chunks" if uses_chunks(other.plan) else " with this chunk engine")
+            + (" in chunks" if theirs else " with this chunk engine")
             + "; two engines over one model would train two copies. Compile a copy "
             "(copy.deepcopy(model)), or close the first engine (engine.close()) before "
             "compiling again."

@@ -107,7 +107,7 @@ def estimate(program: Program) -> Estimate:
     decided = program.decisions
     need = decided.budget_need
     if need is None and decided.chunk_plan is not None:
-        need = budget_need(program.plan, decided.chunk_plan.access, decided.chunk_layout)
+        need = budget_need(program, decided.chunk_plan.access, decided.chunk_layout)
     if need is None:
         ensure_fresh(program, "shape_memory")
         need = LayoutSearch(program).smallest()

@@ -29,10 +29,10 @@ from torch import nn
 from fxstar.capture import is_meta
 from fxstar.errors import FxstarError, UsageError
 from fxstar.hf_checkpoint import converted_source
-from fxstar.mesh import sharded_payloads
 from fxstar.plan import resolve_device
 from fxstar.runtime.layout import ChunkPlan, spare_bytes
 from fxstar.sizes import format_size
+from fxstar.topology import Topology
 from fxstar.weights import WeightSource, initialize, is_transformers, materialize, tied_names
 
 __all__ = [
@@ -108,7 +108,7 @@ def host_need(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None
         masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
         moments=plan.optimizer.type in ("adam", "adamw"),
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
-        sharded=layout.ranks > 1 and sharded_payloads(plan),  # and its own homes only
+        sharded=layout.ranks > 1 and Topology(plan).sharded_payloads,  # and its own homes only
         kept=forecast_kept(plan, chunk_plan) if kept is None else kept,
     )  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0

@@ -17,8 +17,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from fxstar.decisions import Decisions
+from fxstar.decisions import Decisions, EngineDecisions
 from fxstar.params import ParameterStore
+from fxstar.topology import Topology
 
 __all__ = ["InputSlot", "ParamInfo", "Program", "Stage"]
 
@@ -112,9 +113,16 @@ class Program:
     # what parameter/buffer placeholders are fed from; the Engine's store, shared by its
     # captures (None: the model's own tensors)
     store: ParameterStore | None = None
-    # engine-wide decisions passes share across the captures of one engine (a chunk layout
-    # must be the same for every input shape); the Engine hands every Program the same dict
-    shared: dict[str, Any] = field(default_factory=dict)
+    # what the first capture of an engine decided for every capture: the Engine hands each
+    # Program the same object
+    engine_decisions: EngineDecisions = field(default_factory=EngineDecisions)
+    # the ranks, their process groups and what follows (fxstar/topology.py): the Engine's;
+    # None: one made from the plan over this process's world
+    topology: Topology | None = None
+
+    def __post_init__(self) -> None:
+        if self.topology is None:
+            self.topology = Topology(self.plan)
 
     # -- parameters -----------------------------------------------------------------------------
 

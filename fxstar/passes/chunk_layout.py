@@ -28,17 +28,13 @@ import torch
 
 from fxstar.dump import note
 from fxstar.errors import FxstarError
-from fxstar.mesh import data_parallel_size, load_unit, mesh_layout
 from fxstar.passes import Pass, register
 from fxstar.passes.shape_memory import backward_peak, node_steps
 from fxstar.program import ParamInfo, Program
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.sizes import Share, format_size
+from fxstar.topology import Topology
 
-LAYOUT_KEY = "chunk_layout"  # Program.shared key: one layout for every capture of an engine
-BUDGET_KEY = "device_memory"  # Program.shared key: the budget device_memory='auto' settled on
-ARENA_KEY = "arena_capacity"  # Program.shared key: the arena the first chunk plan made
-KEPT_KEY = "kept_bytes"  # Program.shared key: compute-tier bytes HybridAdam keeps when compiling
 # options that configure the chunk engine, which runs only when the plan sets a budget
 CHUNK_OPTIONS = ("chunk_size", "static_partition", "warmup_gpu_chunk_mem_ratio", "mem_cache",
                  "async_mem_monitor", "overlap_grad_copies", "prefetch", "grads_in_host",
@@ -50,15 +46,9 @@ class ChunkLayoutError(FxstarError, ValueError):
     """No chunk size satisfies the plan."""
 
 
-def uses_chunks(plan) -> bool:
-    """A budget pages parameters through chunks; bf16/fp16 keep their low-precision copies and
-    fp32 masters in chunks too (all resident when there is no budget)."""
-    return plan.device_memory is not None or plan.precision != "fp32"
-
-
 def check_chunk_options(plan) -> None:
     """An option of the chunk engine without device_memory would do nothing: say so."""
-    if uses_chunks(plan):
+    if Topology(plan).uses_chunks:
         return
     # release_after_init too: the engine implements it, on the chunk homes
     used = [name for name in plan.used_options()
@@ -74,19 +64,20 @@ def budget_bytes(program: Program) -> int | None:
     """The compute tier's budget in bytes; None when the plan sets none (all stays resident).
     device_memory='auto' is the budget chunk_layout settled on for the engine."""
     if program.plan.device_memory == "auto":
-        return program.shared[BUDGET_KEY]
+        return program.engine_decisions.auto_budget
     budget = program.plan.resolve_size("device_memory", program.param_bytes)
-    return None if budget is None else budget // fake_ranks(program.plan)
+    return None if budget is None else budget // fake_ranks(program)
 
 
-def fake_ranks(plan) -> int:
+def fake_ranks(program: Program) -> int:
     """fake_dist: the data-parallel ranks that share one device, each with its part of the
     budget (1 without it); on a 2-D mesh every rank of the world shares it."""
-    if not plan.fake_dist:
+    if not program.plan.fake_dist:
         return 1
-    ranks = data_parallel_size(plan)
+    topology = program.topology
+    ranks = topology.data_parallel_size
     if ranks > 1:
-        ranks = mesh_layout(plan).world
+        ranks = topology.mesh.world
     if ranks == 1:
         raise ChunkLayoutError(
             "fake_dist: gives each of N data-parallel ranks on one device 1/N of device_memory; "
@@ -146,7 +137,7 @@ class BudgetNeed:
     chunks_at_once: int
     activations: int  # bytes besides chunks expected at that access
     static_ratio: float | None  # warmup_gpu_chunk_mem_ratio under static_partition
-    load_unit: int = 1  # chunks a load brings (mesh.load_unit): a whole group with sharded DP
+    load_unit: int = 1  # chunks a load brings (Topology.load_unit): a whole group with sharded DP
 
     def moment(self) -> str:
         """Which access sets the need, and what it holds there."""
@@ -191,9 +182,10 @@ def shown_budget(plan, budget: int) -> str:
     return f"{given} of the parameter bytes = {text}" if isinstance(given, Share) else text
 
 
-def budget_need(plan, access: AccessPlan, layout: ChunkLayout) -> BudgetNeed:
-    """The least budget under which every access of `access` fits its chunk_share."""
-    size = layout.chunk_bytes
+def budget_need(program: Program, access: AccessPlan, layout: ChunkLayout) -> BudgetNeed:
+    """The least budget under which every access of `access` fits its chunk_share (under
+    `program`'s plan and topology)."""
+    plan, size = program.plan, layout.chunk_bytes
     # moments with the same chunks and activations need the same: each pair once
     first = {}
     for t, pair in enumerate(zip(access.pinned_at_once, access.nonmodel_bytes, strict=True)):
@@ -206,7 +198,8 @@ def budget_need(plan, access: AccessPlan, layout: ChunkLayout) -> BudgetNeed:
     return BudgetNeed(
         budgets[t], layout.chunk_size, size, t, access.phases[t], access.chunks[t],
         access.pinned_at_once[t], access.nonmodel_bytes[t],
-        plan.warmup_gpu_chunk_mem_ratio if plan.static_partition else None, load_unit(plan),
+        plan.warmup_gpu_chunk_mem_ratio if plan.static_partition else None,
+        program.topology.load_unit,
     )  # fmt: skip
 
 
@@ -362,7 +355,7 @@ class LayoutSearch:
         """The candidate's layout and the least budget its access plan fits."""
         if candidate.chunk_size not in self._judged:
             layout = make_layout(self.params, candidate.chunk_size)
-            need = budget_need(self.plan, self.forecast.plan(layout), layout)
+            need = budget_need(self.program, self.forecast.plan(layout), layout)
             self._judged[candidate.chunk_size] = layout, need
         return self._judged[candidate.chunk_size]
 
@@ -370,7 +363,8 @@ class LayoutSearch:
         if self.floor is None:  # no access is certain: a layout may need nothing
             return 0
         chunk_bytes = candidate.chunk_size * self.params[0].dtype.itemsize
-        return smallest_budget(self.plan, load_unit(self.plan) * chunk_bytes, self.floor)
+        unit = self.program.topology.load_unit
+        return smallest_budget(self.plan, unit * chunk_bytes, self.floor)
 
     def smallest(self) -> BudgetNeed:
         """The least budget of any candidate (the smaller chunk size among equals)."""
@@ -432,20 +426,20 @@ def auto_budget(program: Program, smallest: BudgetNeed) -> int:
     device = program.compute_device()  # the plan's, not the (host or meta) model's
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        return int(total * program.plan.overall_gpu_mem_ratio) // fake_ranks(program.plan)
+        return int(total * program.plan.overall_gpu_mem_ratio) // fake_ranks(program)
     return smallest.device_memory
 
 
 def plan_layout(program: Program) -> ChunkLayout:
-    """The layout, and for device_memory='auto' the engine's budget (Program.shared); the
-    smallest budget this plan works with goes to program.decisions.budget_need."""
+    """The layout, and for device_memory='auto' the engine's budget (Program.engine_decisions);
+    the smallest budget this plan works with goes to program.decisions.budget_need."""
     plan = program.plan
     search = LayoutSearch(program)
     smallest = program.decisions.budget_need = search.smallest()
     if plan.device_memory is None:  # no budget: every chunk stays resident, least waste wins
         return search.least_waste()
     if plan.device_memory == "auto":
-        program.shared[BUDGET_KEY] = auto_budget(program, smallest)
+        program.engine_decisions.auto_budget = auto_budget(program, smallest)
     if plan.chunk_size != "auto":
         return search.judge(search.candidates[0])[0]  # chunk_schedule checks it, with numbers
     return search.choose(budget_bytes(program))
@@ -453,7 +447,7 @@ def plan_layout(program: Program) -> ChunkLayout:
 
 @register
 class ChunkLayoutPass(Pass):
-    """Analysis: the ChunkLayout to program.decisions (and Program.shared, for later
+    """Analysis: the ChunkLayout to program.decisions (and Program.engine_decisions, for later
     captures), chunk and offset to the parameter table and each placeholder's notes."""
 
     name = "chunk_layout"
@@ -463,13 +457,14 @@ class ChunkLayoutPass(Pass):
     implements = ("device_memory", *CHUNK_OPTIONS)
 
     def enabled_by(self, plan) -> bool:
-        return uses_chunks(plan)
+        return Topology(plan).uses_chunks
 
     def __call__(self, program: Program) -> Program:
-        layout = program.shared.get(LAYOUT_KEY)
+        decided = program.engine_decisions
+        layout = decided.chunk_layout
         if layout is None:  # data parallel: in groups of the ranks (runtime/data_parallel.py)
-            layout = plan_layout(program).grouped(data_parallel_size(program.plan))
-            program.shared[LAYOUT_KEY] = layout
+            layout = plan_layout(program).grouped(program.topology.data_parallel_size)
+            decided.chunk_layout = layout
         program.decisions.chunk_layout = layout
         slots = layout.slots()
         nodes = {n.name: n for n in program.graph_module.graph.nodes}
@@ -484,9 +479,6 @@ class ChunkLayoutPass(Pass):
 
 
 __all__ = [
-    "ARENA_KEY",
-    "KEPT_KEY",
-    "LAYOUT_KEY",
     "ChunkLayoutError",
     "ChunkLayoutPass",
     "plan_layout",

@@ -34,24 +34,16 @@ from torch import fx
 
 from fxstar.dump import note
 from fxstar.errors import FxstarError
-from fxstar.mesh import load_unit, sharded_payloads
 from fxstar.passes import Pass, register
 from fxstar.passes.activation_checkpoint import region_calls, region_inputs
-from fxstar.passes.chunk_layout import (
-    ARENA_KEY,
-    KEPT_KEY,
-    budget_bytes,
-    budget_need,
-    shown_budget,
-    static_share,
-    uses_chunks,
-)
+from fxstar.passes.chunk_layout import budget_bytes, budget_need, shown_budget, static_share
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
 from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkPlan, ParamSlot
 from fxstar.sizes import format_size
+from fxstar.topology import Topology
 
 SPLIT_AFTER = 2  # other chunks used during an idle stretch that make a chunk be re-fetched
 
@@ -311,7 +303,7 @@ def nonmodel_estimate(nodes: list[fx.Node]) -> dict[fx.Node, int]:
 
 def access_plan(gm: fx.GraphModule, layout: ChunkLayout, original: list[fx.Node],
                 unit: int = 1) -> AccessPlan:  # fmt: skip
-    """The step's accesses; `unit`: chunks one load brings (mesh.load_unit)."""
+    """The step's accesses; `unit`: chunks one load brings (Topology.load_unit)."""
     plan = AccessPlan([], [], [], [])
     estimate = nonmodel_estimate(original)
     slots = layout.slots()
@@ -354,14 +346,14 @@ def capture_budget(program: Program, plan: AccessPlan, layout: ChunkLayout) -> i
     """The budget this capture runs under: the plan's. device_memory='auto' on a CPU-only
     machine is the least budget each capture needs: the engine's (what its first capture
     needed), or for a later capture that needs more (a longer batch) its own, beside the
-    bytes HybridAdam keeps on the compute tier for good (Program.shared[KEPT_KEY]). On a card
+    bytes HybridAdam keeps on the compute tier for good (EngineDecisions.kept_bytes). On a card
     'auto' is its capacity already."""
     budget = budget_bytes(program)
     if (budget is None or program.plan.device_memory != "auto"
             or program.compute_device().type != "cpu"):  # fmt: skip
         return budget
-    need = budget_need(program.plan, plan, layout).device_memory
-    return max(budget, need + program.shared.get(KEPT_KEY, 0))
+    need = budget_need(program, plan, layout).device_memory
+    return max(budget, need + program.engine_decisions.kept_bytes)
 
 
 def check_budget(plan: AccessPlan, layout: ChunkLayout, program: Program,
@@ -370,7 +362,7 @@ def check_budget(plan: AccessPlan, layout: ChunkLayout, program: Program,
     that needs the most and the smallest device_memory this plan works with."""
     if budget is None:
         return  # no budget: every chunk stays resident
-    need = budget_need(program.plan, plan, layout)
+    need = budget_need(program, plan, layout)
     if need.device_memory > budget:
         auto = program.plan.device_memory == "auto"
         raise ChunkScheduleError(
@@ -397,7 +389,7 @@ def check_arena(program: Program, plan: AccessPlan, layout: ChunkLayout, budget:
     if program.compute_device().type == "cpu":
         return  # activations live outside the arena there
     staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
-               if layout.ranks > 1 and sharded_payloads(program.plan) else 0)  # fmt: skip
+               if layout.ranks > 1 and program.topology.sharded_payloads else 0)  # fmt: skip
     peak = max(plan.nonmodel_bytes, default=0)
     if arena + staging + peak > budget:
         raise ChunkScheduleError(
@@ -419,7 +411,7 @@ class AccessForecast:
 
     def __init__(self, program: Program):
         gm = program.graph_module
-        self.load_unit = load_unit(program.plan)
+        self.load_unit = program.topology.load_unit
         top = parameter_placeholders(program)
         self.nodes = list(gm.graph.nodes)  # only read
         pos = {n: i for i, n in enumerate(self.nodes)}
@@ -511,7 +503,7 @@ class ChunkSchedule(Pass):
     requires_fresh = ("shape_memory",)  # the bytes besides chunks at each access
 
     def enabled_by(self, plan) -> bool:
-        return uses_chunks(plan)
+        return Topology(plan).uses_chunks
 
     def __call__(self, program: Program) -> Program:
         layout: ChunkLayout = program.decisions.chunk_layout
@@ -519,7 +511,7 @@ class ChunkSchedule(Pass):
         original = rewrite(program, layout, fetches)
         if layout.ranks > 1:
             note_owners(program, layout)
-        access = access_plan(program.graph_module, layout, original, load_unit(program.plan))
+        access = access_plan(program.graph_module, layout, original, program.topology.load_unit)
         budget = capture_budget(program, access, layout)
         check_budget(access, layout, program, budget)
         program.decisions.chunk_plan = chunk_plan(program, layout, access, budget)
@@ -532,8 +524,8 @@ def note_owners(program: Program, layout: ChunkLayout) -> None:
     broadcast from the owner); its gradients are reduced to the owner during backward,
     runtime/grad_shards.py."""
     load = ""
-    if sharded_payloads(program.plan):
-        unit = load_unit(program.plan)
+    if program.topology.sharded_payloads:
+        unit = program.topology.load_unit
         load = (": group {group} all-gathered when loaded" if unit > 1
                 else ": broadcast from it when loaded")  # fmt: skip
     for module in program.graph_module.modules():
@@ -562,16 +554,20 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,
         capacity = budget
     else:  # sharded payloads: the gradient staging lives on the card too (NCCL)
         staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
-                   if layout.ranks > 1 and sharded_payloads(program.plan) else 0)  # fmt: skip
+                   if layout.ranks > 1 and program.topology.sharded_payloads else 0)  # fmt: skip
         capacity = budget - max(access.nonmodel_bytes, default=0) - staging
-    arena = program.shared.setdefault(ARENA_KEY, capacity)
+    decided = program.engine_decisions
+    if decided.arena_capacity is None:
+        decided.arena_capacity = capacity
+    arena = decided.arena_capacity
     if arena != capacity and budget is not None:
         check_arena(program, access, layout, budget, arena)
     capacity = arena
     return ChunkPlan(
         layout, access, budget, capacity,
         static_share=None if budget is None else static_share(program.plan, budget),
-        device=str(device), mem_cache=program.plan.mem_cache, load_unit=load_unit(program.plan),
+        device=str(device), mem_cache=program.plan.mem_cache,
+        load_unit=program.topology.load_unit,
     )  # fmt: skip
 
 

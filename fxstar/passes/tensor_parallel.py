@@ -7,14 +7,14 @@ back, so call it on every rank); shape arguments between them get per-rank head 
 sequence parallelism the edges tp_sharding found get `scatter_to_seq`, `gather_from_seq` and
 `grad_all_reduce` nodes. Every collective is a graph node, so `fxstar.dump`/`diff` show it.
 
-Before rewriting, an engine's first compile makes the process group its collectives run on
-(`plan.dist_timeout`, named by `group=` in the nodes), and every compile has the ranks agree on
-plan, graph and (first compile: full, unsharded) parameters: `fxstar.runtime.agreement`.
+The collectives run on the engine's tensor-parallel group (`Program.topology`, named by
+`group=` in the nodes), which the topology makes at the first compile, where the ranks agree
+on plan, graph and (first compile: full, unsharded) parameters before any pass
+(`Topology.agree`; a program captured outside an engine agrees here).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -22,18 +22,14 @@ import torch.distributed as dist
 from torch import fx
 
 from fxstar.dump import note
-from fxstar.mesh import mesh_layout
 from fxstar.passes import Pass, register
 from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
 from fxstar.program import Program
-from fxstar.runtime import agreement, rng_tracker, tp_ops
+from fxstar.runtime import rng_tracker, tp_ops
 from fxstar.runtime import vocab_parallel as vp
-from fxstar.runtime.tp_group import ATTR, TPGroup, new_group, process_group
+from fxstar.runtime.tp_group import ATTR, TPGroup, process_group
 
-__all__ = ["GROUP_KEY", "TensorParallel", "shard_of", "unshard"]
-
-
-GROUP_KEY = "tensor_parallel.group"  # Program.shared: the engine's TPGroup
+__all__ = ["TensorParallel", "shard_of", "unshard"]
 
 
 def shard_of(full: torch.Tensor, dim: int, parts: int, n: int, rank: int) -> torch.Tensor:
@@ -54,15 +50,6 @@ def _consolidate(dim: int, parts: int, group: TPGroup):
         return unshard(tp_ops.gather_shards(shard.detach(), group), dim, parts)
 
     return glue
-
-
-def _engine_group(program: Program) -> TPGroup:
-    """A process group with plan.dist_timeout, destroyed when the engine's parameter store is
-    freed (the Engine has no hook for it yet)."""
-    group = new_group(program.plan.dist_timeout, mesh_layout(program.plan).tp_partition())
-    if program.store is not None:
-        weakref.finalize(program.store, group.release).atexit = False
-    return group
 
 
 def _group_node(gm: fx.GraphModule, group: TPGroup) -> fx.Node:
@@ -105,13 +92,9 @@ class TensorParallel(Pass):
                 "tensor_parallel needs a process group: call "
                 "torch.distributed.init_process_group first (torchrun sets it up)"
             )
-        first = GROUP_KEY not in program.shared
-        if first:  # one group per engine: its captures share Program.shared
-            program.shared[GROUP_KEY] = _engine_group(program)
-        group = program.shared[GROUP_KEY]
-        # first, while nothing can have failed on one rank only: all raise the same error
-        if not program.decisions.tp_agreed:
-            agreement.agree(program, group, tensors=first)
+        if not program.decisions.tp_agreed:  # captured outside an engine, which agrees first
+            program.topology.agree(program)
+        group = program.topology.tensor_group
         ranks = dist.get_world_size(process_group(group))
         if ranks != config.size:
             raise TPShardingError(

@@ -36,15 +36,12 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxstar.errors import CollectiveError
-from fxstar.mesh import DP_GROUP, MESH_GROUP
 
 __all__ = ["StepCursor", "begin_forward", "out_of_step_message"]
 
 MAGIC = 0x66787374_5354  # 'fxstST': a header, not another collective's payload
 WORDS = ("magic", "step", "forward", "collective", "capture", "what", "inputs")
 SAMPLE_BYTES = 4 << 20  # a larger input tensor is fingerprinted from a strided sample
-
-ROLES = {DP_GROUP: "data-parallel", MESH_GROUP: "mesh"}  # any other engine group: tensor parallel
 
 
 def _crc(text: str) -> int:
@@ -209,8 +206,9 @@ def begin_forward(engine: Any, args: tuple, kwargs: Mapping[str, Any]) -> None:
     """At the start of every engine forward: a training forward (grad enabled) begins a new
     count of each engine group's collectives with the engine's step count and capture key;
     tensor-parallel groups take the inputs' fingerprint (their ranks run every forward)."""
-    groups = [(key, group.steps) for key, group in engine.shared.items()
-              if getattr(group, "steps", None) is not None]  # fmt: skip
+    topology = engine.topology
+    groups = [(name, group) for name, group in topology.groups().items()
+              if group.steps is not None]  # fmt: skip
     if not groups:
         return
     training = torch.is_grad_enabled()
@@ -218,9 +216,10 @@ def begin_forward(engine: Any, args: tuple, kwargs: Mapping[str, Any]) -> None:
     if training:
         capture = _capture_key(engine.model.training, args, kwargs,
                                engine.dynamic_shapes is not None)  # fmt: skip
-    for key, cursor in groups:
-        cursor.role = ROLES.get(key, "tensor-parallel")
-        if cursor.role == "tensor-parallel":
+    for name, group in groups:
+        cursor = group.steps
+        cursor.role = name  # the topology's: 'tensor-parallel', 'data-parallel', 'mesh'
+        if group is topology.tensor_group:
             cursor.inputs = inputs = _inputs_crc(args, kwargs) if inputs is None else inputs
         if training:
             cursor.begin(engine.step_count, capture)

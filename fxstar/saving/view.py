@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxstar.mesh import DP_GROUP, MESH_GROUP
-from fxstar.passes.tensor_parallel import GROUP_KEY as TP_GROUP
 from fxstar.runtime.tp_group import TPGroup
 from fxstar.saving.collective import rank_in
 
@@ -78,10 +76,8 @@ class TrainingView:
 
 def view_of(engine: Engine) -> TrainingView:
     """The engine's training-state view (see TrainingView)."""
-    groups = engine.shared  # the process groups passes and the engine made
-    whole = next((groups[k] for k in (MESH_GROUP, TP_GROUP, DP_GROUP)
-                  if groups.get(k) is not None), None)  # fmt: skip
-    tp_group = groups.get(TP_GROUP)
+    topology = engine.topology  # the process groups
+    whole, tp_group = topology.whole_group, topology.tensor_group
     plan = engine.plan.to_dict()
     plan.pop("loss_fn", None)  # code, not state
     store = engine.store

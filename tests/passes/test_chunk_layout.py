@@ -19,11 +19,10 @@ from conftest import (
 )
 
 from fxstar.capture import capture
+from fxstar.decisions import EngineDecisions
 from fxstar.engine import compile
 from fxstar.passes import PassManager, ensure_fresh, passes_for
 from fxstar.passes.chunk_layout import (
-    BUDGET_KEY,
-    LAYOUT_KEY,
     ChunkLayoutError,
     ChunkLayoutPass,
     LayoutSearch,
@@ -38,6 +37,7 @@ from fxstar.passes.chunk_layout import (
 )
 from fxstar.passes.chunk_schedule import AccessForecast, ChunkSchedule, ChunkScheduleError
 from fxstar.plan import Plan, PlanError
+from fxstar.topology import Topology
 
 
 def compiled(model, **plan):
@@ -218,12 +218,13 @@ def prepared(kind: str, plan: Plan):
 
 
 def copied(program, plan: Plan, **decisions):
-    """A copy the chunk passes may rewrite, under `plan`."""
+    """A copy the chunk passes may rewrite, under `plan`, as an engine's first capture."""
     return dataclasses.replace(
         program, plan=plan, graph_module=copy.deepcopy(program.graph_module),
         inputs=list(program.inputs), params=[dataclasses.replace(p) for p in program.params],
         decisions=dataclasses.replace(program.decisions, **decisions),
-        stages=list(program.stages), shared={},
+        stages=list(program.stages), engine_decisions=EngineDecisions(),
+        topology=Topology(plan),
     )  # fmt: skip
 
 
@@ -243,7 +244,7 @@ def test_the_search_sees_the_access_plan_chunk_schedule_makes(kind, options):
     program = prepared(kind, plan)
     forecast = AccessForecast(program)
     for layout in candidate_layouts(chunked_params(program)):
-        scheduled = ChunkSchedule()(copied(program, plan, **{LAYOUT_KEY: layout}))
+        scheduled = ChunkSchedule()(copied(program, plan, chunk_layout=layout))
         assert forecast.plan(layout) == scheduled.decisions.chunk_plan.access, layout.chunk_size
 
 
@@ -300,7 +301,7 @@ def test_auto_finds_a_size_that_fits_whenever_one_does(kind, options):
     for size in least_sizes(params):
         layout = make_layout(params, size)
         scheduled = ChunkSchedule()(
-            copied(program, plan.replace(device_memory=None), **{LAYOUT_KEY: layout})
+            copied(program, plan.replace(device_memory=None), chunk_layout=layout)
         )
         needs[size] = least_budget(plan, scheduled.decisions.chunk_plan.access, layout.chunk_bytes)
     edges = sorted(set(needs.values()))
@@ -358,7 +359,7 @@ def test_device_memory_auto_is_the_smallest_that_works():
     eager, model = tiny_gpt(), tiny_gpt()
     engine = compile(model, plan, tokens())
     smallest = engine.program.decisions.budget_need.device_memory
-    assert engine.program.shared[BUDGET_KEY] == engine.chunks.budget == smallest
+    assert engine.program.engine_decisions.auto_budget == engine.chunks.budget == smallest
     engine.chunks.checking = True
     for step in range(2):
         assert_same_step("gpt", eager, engine, step)
@@ -375,8 +376,9 @@ def test_device_memory_auto_on_cuda_is_its_capacity_times_overall_gpu_mem_ratio(
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=10 * 2**20))  # fmt: skip
     ChunkLayoutPass()(program)
-    assert program.shared[BUDGET_KEY] == int(10 * 2**20 * 0.8)
-    assert auto_budget(program, program.decisions.budget_need) == program.shared[BUDGET_KEY]
+    settled = program.engine_decisions.auto_budget
+    assert settled == int(10 * 2**20 * 0.8)
+    assert auto_budget(program, program.decisions.budget_need) == settled
 
 
 def test_device_memory_auto_on_a_card_too_small_does_not_advise_auto(monkeypatch):
@@ -470,11 +472,7 @@ def test_the_bounded_search_decides_as_judging_every_candidate(kind, options, un
     that sets it), the same layout under budgets at, between and far above the candidates'
     least budgets, with and without HybridAdam's device half, and the same refusals.
     `unit`: chunks a load brings (whole groups with sharded data parallel)."""
-    import fxstar.passes.chunk_layout as chunk_layout
-    import fxstar.passes.chunk_schedule as chunk_schedule
-
-    monkeypatch.setattr(chunk_layout, "load_unit", lambda plan: unit)
-    monkeypatch.setattr(chunk_schedule, "load_unit", lambda plan: unit)
+    monkeypatch.setattr(Topology, "load_unit", property(lambda topology: unit))
     if frozen:
         monkeypatch.setitem(FACTORIES, kind, lambda make=FACTORIES[kind]: frozen_first_block(make))
     plan = Plan(device_memory="100%", **options)
@@ -484,7 +482,7 @@ def test_the_bounded_search_decides_as_judging_every_candidate(kind, options, un
     reference = reference_layouts(params)
     assert candidate_layouts(params) == reference
     forecast = AccessForecast(program)
-    needs = [(lay, budget_need(plan, forecast.plan(lay), lay)) for lay in reference]
+    needs = [(lay, budget_need(program, forecast.plan(lay), lay)) for lay in reference]
     smallest = min((need for _, need in needs), key=lambda n: (n.device_memory, n.chunk_size))
     least = min(reference, key=lambda lay: (lay.wasted_bytes, len(lay.chunks), lay.chunk_size))
     edges = sorted({need.device_memory for _, need in needs})

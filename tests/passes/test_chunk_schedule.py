@@ -19,7 +19,7 @@ from torch import nn
 
 from fxstar.dump import dump
 from fxstar.engine import compile
-from fxstar.passes.chunk_layout import BUDGET_KEY, KEPT_KEY, budget_need
+from fxstar.passes.chunk_layout import budget_need
 from fxstar.passes.chunk_schedule import BusyChunks, ChunkScheduleError, check_arena
 from fxstar.plan import Plan
 from fxstar.runtime import ops
@@ -220,9 +220,9 @@ def test_device_memory_auto_gives_a_longer_batch_the_budget_it_needs(kind, facto
             )
             later = engine.prepare(*inputs[0], **inputs[1]).decisions.chunk_plan
             first = engine.program.decisions.chunk_plan
-            need = budget_need(plan, later.access, later.layout).device_memory
-            assert first.budget == engine.shared[BUDGET_KEY] < need
-            assert later.budget == need + engine.shared[KEPT_KEY]
+            need = budget_need(engine.program, later.access, later.layout).device_memory
+            assert first.budget == engine.engine_decisions.auto_budget < need
+            assert later.budget == need + engine.engine_decisions.kept_bytes
             assert later.arena_capacity == first.arena_capacity == engine.chunks.planned_capacity
         torch.manual_seed(step)
         expected = call(kind, eager, ids, targets)
@@ -245,8 +245,8 @@ def test_a_later_auto_capture_counts_the_bytes_hybrid_adam_keeps(monkeypatch):
     engine = compile(gpt_without_biases(), Plan(device_memory="auto"), tokens(seq=8))
     monkeypatch.setattr(engine.chunks, "kept_bytes", lambda: 12_345)
     later = engine.prepare(*tokens(seq=16)).decisions.chunk_plan
-    need = budget_need(engine.plan, later.access, later.layout).device_memory
-    assert engine.shared[KEPT_KEY] == 12_345 and later.budget == need + 12_345
+    need = budget_need(engine.program, later.access, later.layout).device_memory
+    assert engine.engine_decisions.kept_bytes == 12_345 and later.budget == need + 12_345
 
 
 def arena_case(device: str):

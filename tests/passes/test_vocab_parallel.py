@@ -218,7 +218,7 @@ def _dropout_worker(rank: int, world: int) -> dict:
     # the functions: own masks on splits, the shared stream elsewhere
     torch.manual_seed(0)
     engine = fxstar.compile(_gpt_dropout(0.1, 0.1), _plan(world, True), args)
-    group = engine.shared["tensor_parallel.group"]
+    group = engine.topology.tensor_group
     ones = torch.ones(4, 64)
     rank_mask = rng_tracker.rank_dropout(ones, 0.5, True, group=group)
     shared_mask = torch.ops.aten.dropout.default(ones, 0.5, True)
@@ -256,7 +256,7 @@ def _dropout_worker(rank: int, world: int) -> dict:
         engine(*args).backward()
         grads.append(engine.gradients())
         # the graph and its regions hold the engine's group, which holds the rank stream
-        group = engine.shared["tensor_parallel.group"]
+        group = engine.topology.tensor_group
         holders = [m for m in engine.program.graph_module.modules() if hasattr(m, "tp_group")]
         if len(holders) < 1 + bool(extra) or any(m.tp_group is not group for m in holders):
             failures.append(f"{extra}: the graph or a region does not hold the engine's group")
@@ -264,7 +264,7 @@ def _dropout_worker(rank: int, world: int) -> dict:
             failures.append("the engine's group holds no rank stream")
     # two engines, two groups and two streams: drawing from one leaves the other as it was
     alive = _two_engines(args, world)  # a freed engine releases its group
-    first, second = (engine.shared["tensor_parallel.group"] for engine in alive)
+    first, second = (engine.topology.tensor_group for engine in alive)
     before = second.stream.state_dict()["cpu"]
     rng_tracker.rank_dropout(torch.ones(64), 0.5, True, group=first)
     if first is second or not torch.equal(second.stream.state_dict()["cpu"], before):

@@ -817,16 +817,6 @@ def test_release_after_init_starts_a_sharded_transformers_model_as_the_serial_on
 # -- the 2-D mesh: tensor parallel x data parallel ------------------------------------------------
 
 
-def test_sharded_payloads_follow_the_optimizer_and_refuse_sgd_by_name():
-    from fxstar.errors import PlanError
-    from fxstar.mesh import sharded_payloads
-
-    assert sharded_payloads(Plan()) and not sharded_payloads(Plan(optimizer={"type": "sgd"}))
-    assert not sharded_payloads(Plan(data_parallel_shard="optimizer"))
-    with pytest.raises(PlanError, match="data_parallel_shard='params' with optimizer.type"):
-        sharded_payloads(Plan(data_parallel_shard="params", optimizer={"type": "sgd"}))
-
-
 def test_mesh_layout_is_torchs_device_mesh_with_tp_inner():
     """tp groups are consecutive ranks, dp groups one rank of each (init_device_mesh's
     (dp, tp) layout); a world tp does not divide is a PlanError naming both."""
@@ -889,7 +879,7 @@ def _mesh_train(options: dict, rank: int, world: int, serial: bool, save: str | 
     params = {n: t.detach().float().clone() for n, t in engine.state_dict().items()}
     layout = engine.chunks.layout
     groups = engine.chunks.data_parallel
-    tp_group = engine.shared["tensor_parallel.group"]
+    tp_group = engine.topology.tensor_group
     return engine, {"losses": losses, "params": params, "ranks": layout.ranks,
                     "tp_ranks": tp_group.ranks,
                     "dp_ranks": groups.group.ranks if groups is not None else None,
