@@ -120,7 +120,7 @@ def planned_comm_bytes(engine: fxstar.Engine) -> int:
     loose = sum(p.numel() * p.element_size() for p in grads if id(p) not in in_chunks)
     if groups.sharded:
         plan, unit = manager.residency.plan, manager.residency.load_unit
-        kept = {c.id for c in manager.chunks if c.fixed}
+        kept = {c.id for c in manager.chunks if c.kept}
         block = unit * layout.chunk_bytes  # what one load takes on the compute tier
         capacity = [manager.share(t) // block for t in range(len(plan))]
         # a load is a broadcast of one chunk's used bytes, or an all-gather of a whole group

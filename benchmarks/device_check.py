@@ -125,7 +125,7 @@ def run(
     manager = engine.chunks
     if manager is not None:
         check.facts["arena device"] = str(manager.arena.buffer.device)
-        check.facts["host homes pinned"] = bool(manager.chunks[0].host.is_pinned())
+        check.facts["host homes pinned"] = bool(manager.chunks[0].payload.is_pinned())
         check.facts["kept chunks"] = f"{len(engine.optimizer.device_chunks)}/{len(manager.chunks)}"
         check.facts["bytes to compute per step"] = list(manager.stats.per_step_bytes)[-1:]
         overlap = manager.grad_copy_overlap()

@@ -384,7 +384,7 @@ class Engine(nn.Module):
             runtime.manager = self.chunks  # the graph calls this engine's manager, no other
         if first_chunks and self.chunks is not None:
             if self.chunks.data_parallel is not None:  # every replica starts as rank 0's
-                self.chunks.data_parallel.start_alike(self.chunks)
+                self.chunks.data_parallel.start_alike(self.chunks.step_chunks)
             give_back_freed()  # what the homes replaced, to the system
         self._fed = [
             (name, module, attr, module._parameters[attr])
@@ -581,7 +581,7 @@ class Engine(nn.Module):
             groups = _param_groups(self.store, opt)
             if self.chunks is not None and opt.type in ("adam", "adamw"):
                 self._optimizer = HybridAdam(
-                    self.chunks, groups, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                    self.chunks.step_chunks, groups, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                     adamw=opt.type == "adamw", clip_grad_norm=opt.clip_grad_norm,
                     scaler=self.scaler,
                     # without a device_memory the budget is made up: no margin to plan from
@@ -589,7 +589,8 @@ class Engine(nn.Module):
                     margin_use_ratio=self.plan.margin_use_ratio,
                     norm=self._grad_norm(own_chunks=True),
                     accumulation_steps=opt.accumulation_steps,
-                    host_check=self._check_host_after_keeping,
+                    host_budget=placement.HostBudget(self.plan, self.program),
+                    data_parallel=self.chunks.data_parallel,
                 )  # fmt: skip
             elif self.chunks is not None and self.chunks.low_precision:
                 raise PlanError(
@@ -632,11 +633,6 @@ class Engine(nn.Module):
             stepped = optimizer.step() is not False
         self.zero_grad(set_to_none=True)
         return stepped
-
-    def _check_host_after_keeping(self, kept: list[int]) -> None:
-        """HybridAdam chose its device half: the host budget again, with the chunks it kept
-        (compile counted the ones it forecast), before the moments are made."""
-        placement.check_host_budget(self.plan, self.program.decisions.chunk_plan, kept=kept)
 
     def _grad_norm(self, *, own_chunks: bool) -> GradNorm:
         """How this rank's partial sums of squares make the model's (runtime/grad_norm.py):
@@ -767,7 +763,7 @@ class Engine(nn.Module):
         parallelism and with sharded data-parallel payloads (the others' values gathered)."""
         full = None
         if self.chunks is not None and self.chunks.sharded:  # other ranks' chunks: collective
-            full = self.chunks.data_parallel.full_parameters(self.chunks)
+            full = self.chunks.data_parallel.full_parameters(self.chunks.step_chunks)
         with self._local_state_dicts():
             # remote chunks' values filled in before tensor-parallel shards are glued (2-D mesh)
             state = self.store.state_dict(full)

@@ -36,6 +36,7 @@ from fxstar.topology import Topology
 from fxstar.weights import WeightSource, initialize, is_transformers, materialize, tied_names
 
 __all__ = [
+    "HostBudget",
     "HostMemoryError",
     "Weights",
     "check_host_budget",
@@ -78,7 +79,7 @@ def forecast_kept(plan: Any, chunk_plan: ChunkPlan) -> list[int]:
     """The chunks HybridAdam's device half will keep on the compute tier, forecast from the
     access plan: its margin (see spare_bytes) over what a kept chunk takes there, the
     smallest trainable chunks counted (the least host given back). The runtime chooses from
-    the traced step and checks the host budget again then (HybridAdam's host_check)."""
+    the traced step and checks the host budget again then (HostBudget.check)."""
     layout = chunk_plan.layout
     access = chunk_plan.access
     hybrid = plan.hybrid_adam and plan.optimizer.type in ("adam", "adamw")
@@ -156,6 +157,19 @@ def check_host_budget(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None =
             "model over more processes"
         )
     return need + arena
+
+
+class HostBudget:
+    """The host budget of a plan over the chunk plan a program follows: what HybridAdam is
+    given to check again once it has chosen the chunks it keeps on the compute tier (their
+    host homes go back), before it makes the moments."""
+
+    def __init__(self, plan: Any, program: Any):
+        self.plan = plan
+        self.program = program  # its chunk plan is read at the check: it may be refined
+
+    def check(self, kept: list[int]) -> int:
+        return check_host_budget(self.plan, self.program.decisions.chunk_plan, kept=kept)
 
 
 def check_plan(model: nn.Module, plan: Any, weights: Weights) -> None:

@@ -174,7 +174,7 @@ def test_a_sharded_checkpoint_is_read_straight_into_the_chunk_homes(tmp_path, mo
     monkeypatch.setattr(WeightSource, "read_into", read_into)
     engine = fxstar.compile(_on_meta(hf_llama), fxstar.Plan(device_memory="auto"),
                             **example("llama", ids, targets), weights=tmp_path)  # fmt: skip
-    homes = [c.host for c in engine.chunks.chunks]
+    homes = [c.payload for c in engine.chunks.chunks]
     spans = [(h.data_ptr(), h.data_ptr() + h.nbytes) for h in homes]
     params = {n for n, _ in host.named_parameters()}
     read = {name for name, _ in destinations}
@@ -335,7 +335,10 @@ def test_families_built_on_meta_read_their_own_checkpoint_and_train_like_the_hos
         assert torch.equal(buffer, host_buffers[name]), name
     _same(_train(family, engine, None, None, batch=batch), reference)
     assert engine.chunks.stats.evictions > 0
-    homes = [(c.host.data_ptr(), c.host.data_ptr() + c.host.nbytes) for c in engine.chunks.chunks]
+    homes = [
+        (c.payload.data_ptr(), c.payload.data_ptr() + c.payload.nbytes)
+        for c in engine.chunks.chunks
+    ]
     experts = [(n, out) for n, out in reads if ".experts." in n]
     assert bool(experts) == (family in ("qwen2_moe", "mixtral"))
     for name, out in experts:  # straight into its rows of the fused chunk home

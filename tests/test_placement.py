@@ -19,7 +19,7 @@ def engine_host_bytes(engine) -> int:
     manager = engine.chunks
     storages = {}
     for chunk in manager.chunks:
-        for t in (chunk.host, chunk.master, chunk.host_grad):
+        for t in (chunk.payload, chunk.master, chunk.grad):
             if t is not None and t.device.type == "cpu":
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     for state in engine.optimizer.state.values():
@@ -105,7 +105,7 @@ def test_chunks_forecast_kept_on_the_compute_tier_leave_the_host_need_and_are_ch
     )
     granted = plan.replace(host_memory=with_forecast)  # fits with the forecast only
     engine = compile(tiny_gpt(), granted, **example("gpt", *tokens()))
-    monkeypatch.setattr(engine.chunks, "margin", lambda ratio: 0)  # the step keeps none
+    monkeypatch.setattr(engine.chunks.step_chunks, "margin", lambda ratio: 0)  # keeps none
     engine(*tokens()).backward()
     with pytest.raises(
         HostMemoryError,

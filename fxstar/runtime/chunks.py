@@ -14,11 +14,14 @@ possibly at a new place, so backward never reads memory that was reused meanwhil
 are added into the chunk's host gradient buffer as autograd produces them, and the stable
 parameters users and optimizers see (`engine.parameters()`) are views of the host homes.
 
-This module is the façade: it makes the host homes, runs a step (fetch, release, the hooks)
-and reports; the work is done by collaborators it owns, one idea each: `residency` (which
-chunks the compute tier holds: runtime/residency.py), `saved` (the saved-tensor hooks:
-runtime/saved_tensors.py), `grads` (gradient accumulation and its copies:
-runtime/grad_copies.py) and `reservations` (HybridAdam's device half: runtime/reservations.py).
+This module is the façade: it makes the host homes on the host tier, runs a step (fetch,
+release, the hooks) and reports; each chunk owns its state (runtime/chunk.py), the tiers their
+memory (runtime/tiers.py), and the work is done by collaborators it owns, one idea each:
+`residency` (which chunks the compute tier holds: runtime/residency.py), `saved` (the
+saved-tensor hooks: runtime/saved_tensors.py), `grads` (gradient accumulation and its copies:
+runtime/grad_copies.py), `reservations` (HybridAdam's device half: runtime/reservations.py)
+and `step_chunks`, the view of the chunks HybridAdam and the data-parallel collectives are
+given (runtime/step_chunks.py).
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ import torch
 from torch import nn
 
 from fxstar.runtime.arena import ArenaBuffer
+from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState, Home
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.grad_copies import GradAccumulator
 from fxstar.runtime.grad_shards import GradShards
-from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import (
     AccessPlan,
     ChunkLayout,
@@ -47,9 +50,11 @@ from fxstar.runtime.layout import (
     host_parts,
 )
 from fxstar.runtime.monitor import MemoryMonitor
-from fxstar.runtime.reservations import Reservations, ReservedBlocks
-from fxstar.runtime.residency import Chunk, ChunkBudgetError, ChunkState, Residency
+from fxstar.runtime.reservations import Reservations
+from fxstar.runtime.residency import Residency
 from fxstar.runtime.saved_tensors import Handle, SavedTensors
+from fxstar.runtime.step_chunks import StepChunks
+from fxstar.runtime.tiers import ComputeTier, HostTier
 from fxstar.runtime.tracer import MemoryTracer
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "ChunkState",
     "ChunkStats",
     "Handle",
+    "StepChunks",
 ]
 
 STEP_PHASES = ["forward", "backward"]  # the order of a step's phases in an access plan
@@ -112,10 +118,12 @@ class ChunkManager:
         self.tracer = MemoryTracer()
         self.planned_capacity = arena_capacity  # what the plan asked (the arena rounds it)
         self.arena = ArenaBuffer(arena_capacity, self.device)
+        self.compute = ComputeTier(self.arena, layout.dtype)
         self._plan_source: ChunkPlan | None = None  # the ChunkPlan the current step follows
         self._observed: set[int] = set()  # id() of plans a traced step was observed for
         self._overlapped = False  # this step began before the last one's backward ran
         self.pin = pin = self.device.type == "cuda"  # host homes page-locked for async copies
+        self.host_tier = HostTier(pin=pin)
         copy_stream = torch.cuda.Stream(self.device) if pin else None
         self.low_precision = layout.dtype != torch.float32
         self.homes: dict[str, torch.Tensor] = {}  # what each stable parameter is a view of
@@ -127,13 +135,9 @@ class ChunkManager:
                 f"load_unit {load_unit}: a load brings a whole group only with sharded "
                 "data-parallel payloads, and then the group's size"
             )
-        self.chunks, self.stable = self._make_homes(params, masters or params, pin)
-        if self.sharded:  # the owners take rank 0's values
-            data_parallel.start_sharded(self, masters or params)
-            self.masters_written()
-        blocks = ReservedBlocks(self.arena)  # arena blocks beside the chunks (fix())
+        self.chunks, self.stable = self._make_homes(params, masters or params)
         self.residency = Residency(
-            layout, self.chunks, self.stable, arena=self.arena, reserved=blocks,
+            layout, self.chunks, self.stable, compute=self.compute,
             stats=self.stats, tracer=self.tracer, budget=budget, static_share=static_share,
             mem_cache=mem_cache, prefetch=pin if prefetch is None else prefetch,
             copy_stream=copy_stream, owners=data_parallel if self.sharded else None,
@@ -151,7 +155,15 @@ class ChunkManager:
             take = functools.partial(self.grads.take, at_once=True)
             self.grads.shards = GradShards(data_parallel, self.chunks, layout, take)
         self.saved = SavedTensors(self.residency)
-        self.reservations = Reservations(self.residency, blocks, self.grads, self.homes)
+        self.reservations = Reservations(self.residency, self.grads, self.homes)
+        # what HybridAdam and the data-parallel collectives see of the chunks
+        self.step_chunks = StepChunks(
+            self.residency, self.grads, self.saved, self.reservations, owns=self.owns,
+            grads_in_payload=self.grads_in_host,
+        )  # fmt: skip
+        if self.sharded:  # the owners take rank 0's values
+            data_parallel.start_sharded(self.chunks, masters or params)
+            self.masters_written()
         self.monitor = MemoryMonitor(_weak_call(self._sample)).start() if monitor else None
         self.closed = False
 
@@ -186,12 +198,12 @@ class ChunkManager:
     @property
     def reserved(self) -> list[int]:
         """Arena blocks kept beside the chunks (fix()), by offset."""
-        return self.reservations.blocks.offsets
+        return self.compute.reserved
 
     # -- setup ----------------------------------------------------------------------------------
 
     def _make_homes(
-        self, params: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], pin: bool
+        self, params: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]
     ) -> tuple[list[Chunk], dict[str, nn.Parameter]]:
         """Host homes for every chunk, filled from `params`; the stable parameters view them,
         or, when chunks hold bf16/fp16, fp32 master chunks filled from `masters`. A master on
@@ -206,24 +218,28 @@ class ChunkManager:
         parts = host_parts(lay.dtype, [0 if spec.id in remote else spec.used
                                        for spec in lay.chunks])  # fmt: skip
         size = parts[-1].stop if parts else 0
-        host = host_empty(size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
+        host = self.host_tier.empty(size, lay.dtype)
         master = None
         if self.low_precision:
-            master = host_empty(size * 4, zero=True).view(torch.float32)
+            master = self.host_tier.empty(size, torch.float32, payload=False)
         trainable = [c.id for c in lay.chunks if c.trainable and c.id not in remote]
         if self.grads_in_host:
             grad_of = {c.id: host[part] for c, part in zip(lay.chunks, parts, strict=True)
                        if c.id in trainable}  # fmt: skip
         else:
-            grad_of = self._grad_buffers(trainable, pin)
+            grad_of = self._grad_buffers(trainable)
         chunks, stable = [], {}
         for spec, part in zip(lay.chunks, parts, strict=True):
             far = spec.id in remote
-            chunk = Chunk(spec.id, spec.params, host[part], grad_of.get(spec.id), spec.used,
-                          master[part] if master is not None and not far else None,
-                          grads_in_host=self.grads_in_host and spec.trainable,
-                          remote=far)  # fmt: skip
-            home = chunk.master if chunk.master is not None else chunk.host
+            home = Home(
+                self.host_tier,
+                host[part],
+                grad_of.get(spec.id),
+                master[part] if master is not None and not far else None,
+                grad_in_payload=self.grads_in_host and spec.trainable and not far,
+            )
+            chunk = Chunk(spec.id, spec.params, home, spec.used, remote=far)
+            home = chunk.fp32_home
             for slot in spec.params:
                 if far:
                     view = torch.empty(slot.shape, dtype=home.dtype if master is None
@@ -235,47 +251,34 @@ class ChunkManager:
                         view.copy_(masters[slot.name])
                 stable[slot.name] = nn.Parameter(view, requires_grad=slot.requires_grad)
                 self.homes[slot.name] = view
-            chunk.move(ChunkState.RELEASED)
+            chunk.homed()
             chunks.append(chunk)
         for chunk in chunks:
             chunk.sync_host(stable)
         return chunks, stable
 
-    def _grad_buffers(self, chunk_ids: list[int], pin: bool) -> dict[int, torch.Tensor]:
+    def _grad_buffers(self, chunk_ids: list[int]) -> dict[int, torch.Tensor]:
         """Gradient buffers of their own for these chunks, packed in one host allocation."""
         lay = self.layout
         used = [lay.chunks[i].used for i in chunk_ids]
         parts = host_parts(lay.dtype, used)
         size = parts[-1].stop if parts else 0
-        grads = host_empty(size * lay.dtype.itemsize, zero=True, pin=pin).view(lay.dtype)
+        grads = self.host_tier.empty(size, lay.dtype)
         return {i: grads[part] for i, part in zip(chunk_ids, parts, strict=True)}
 
     def masters_written(self) -> None:
         """The stable parameters (the fp32 masters under bf16/fp16) were written from outside
         the step (weights read into their homes): every chunk's host copy follows them."""
-        for chunk in self.chunks:
-            chunk.sync_host(self.stable)
-            self.host_updated(chunk.id)
+        self.step_chunks.masters_written()
 
     def owns(self, chunk_id: int) -> bool:
         """This rank steps the chunk (data parallel: its owner; else every chunk)."""
         return self.data_parallel is None or self.data_parallel.owns(chunk_id)
 
-    def fp32_home(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's fp32 parameters the stable ones view (`used` elements): its master, or
-        its host home, or for a chunk kept on the compute tier its copy there."""
-        if chunk.master is not None:
-            return chunk.master[: chunk.used]
-        if chunk.fixed:
-            return self.chunk_view(chunk)[: chunk.used]
-        return chunk.host[: chunk.used]
-
     def host_updated(self, chunk_id: int) -> None:
         """The host copy of a chunk changed in a way torch cannot see (the C++ Adam wrote it):
         a resident compute copy is stale."""
-        chunk = self.chunks[chunk_id]
-        chunk.host_version += 1
-        chunk.updates += 1
+        self.chunks[chunk_id].host_changed()
 
     def adopt_replaced_data(self) -> list[str]:
         """Parameters whose `.data` was replaced since the chunks took them over (`p.data =
@@ -393,11 +396,11 @@ class ChunkManager:
             chunk = self.residency.access(chunk_id, "forward")
         else:
             chunk = self.saved.access_in_recomputation(chunk_id)
-        chunk.pins += 1
+        chunk.pin()
         grad = torch.is_grad_enabled()
         views = {}
         for slot in chunk.slots:
-            if chunk.fixed and slot.name in chunk.grad_slots:  # its room holds its gradient
+            if chunk.kept and slot.name in chunk.grad_slots:  # its room holds its gradient
                 view = chunk.rounded(slot.offset, slot.shape, self.layout.dtype)
             else:
                 view = self.residency.leaf(chunk, slot)
@@ -415,10 +418,7 @@ class ChunkManager:
         recomputation the chunk stays pinned (see fetch)."""
         if not self._in_forward:
             return
-        chunk = self.chunks[chunk_id]
-        chunk.pins -= 1
-        if chunk.pins == 0:
-            chunk.move(ChunkState.HOLD_AFTER_FWD)
+        self.chunks[chunk_id].unpin(ChunkState.HOLD_AFTER_FWD)
 
     # -- delegated to the collaborators ---------------------------------------------------------
 
@@ -447,31 +447,12 @@ class ChunkManager:
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         return self.grads.grad_view(slot)
 
-    def payload_written(self, slots: list[ParamSlot]) -> None:
-        """The optimizer wrote these slots' updated parameters into their chunk's host payload,
-        over the gradients that had its room: those are consumed until zero_grad."""
-        for slot in slots:
-            self.chunks[slot.chunk].grad_slots.discard(slot.name)
-            self.grads.consumed_by_step(slot)
-
     def grad_copy_overlap(self) -> float | None:
         """The share of gradient copy time hidden behind backward, None before any copy."""
         return self.grads.overlap_share()
 
-    def margin(self, ratio: float) -> int:
-        """What the compute tier can spare for good (see Reservations.margin)."""
-        return self.reservations.margin(ratio)
-
     def reserved_bytes(self) -> int:
         return self.reservations.reserved_bytes()
-
-    def reserve(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """`nbytes` of the compute tier for good, out of the chunks' share (zeroed)."""
-        return self.reservations.reserve(nbytes, dtype)
-
-    def unreserve(self, count: int) -> None:
-        """Give back the last `count` reserved blocks (a keep that could not complete)."""
-        self.reservations.unreserve(count)
 
     def fix(self, chunk_id: int, *, share_room: bool = False,
             beside: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
@@ -482,17 +463,15 @@ class ChunkManager:
         """A kept chunk back to the host tier, its blocks freed (see Reservations.unfix).
         Between steps: what the last backward left (copies in flight, its last node's pins)
         ends first, as at the start of a step."""
-        self.grads.wait()
-        self.saved.unpin_all()
-        self.reservations.unfix(chunk_id)
+        self.step_chunks.give_back(chunk_id)
 
     def kept_bytes(self) -> int:
         """Compute-tier bytes the chunks kept there for good hold, with their blocks."""
         return self.reservations.kept_bytes()
 
     def compute_updated(self, chunk_id: int) -> None:
-        """The optimizer wrote a fixed chunk's compute copy (and master) itself."""
-        self.reservations.compute_updated(chunk_id)
+        """The optimizer wrote a kept chunk's compute copy (and master) itself."""
+        self.step_chunks.stepped(self.chunks[chunk_id])
 
     # -- what users see -------------------------------------------------------------------------
 
@@ -502,6 +481,7 @@ class ChunkManager:
         current = any(phase == "backward" for _, phase in self.residency.recorded)
         step_bytes = self.residency.step_bytes
         moved = step_bytes if current or not st.per_step_bytes else st.per_step_bytes[-1]
+        on_host = [c for c in self.chunks if not c.kept]
         lines = [
             f"chunks: {len(lay.chunks)} x {lay.chunk_bytes:,} bytes ({lay.chunk_size:,} "
             f"{str(lay.dtype).split('.')[-1]}), {lay.wasted_bytes:,} bytes unused",
@@ -509,8 +489,8 @@ class ChunkManager:
             + ("none (every chunk resident)" if self.budget is None else f"{self.budget:,}")
             + f", arena {arena['capacity']:,}, "
             f"peak chunks {arena['peak_in_use']:,}, now {self.resident_bytes():,}",
-            f"host tier: {sum(c.host.nbytes for c in self.chunks):,} parameter and "
-            f"{sum(c.host_grad.nbytes for c in self.chunks if c.host_grad is not None):,} "
+            f"host tier: {sum(c.payload.nbytes for c in on_host):,} parameter and "
+            f"{sum(c.grad.nbytes for c in on_host if c.grad is not None):,} "
             "gradient bytes (the chunks' padding left out"
             + ("; the gradients in the parameters' room)" if self.grads_in_host else ")"),
             f"moved host->compute: {moved:,} bytes in the last training step "
@@ -537,16 +517,16 @@ class ChunkManager:
                 f"gradient copies: {st.grad_copy_seconds:.3f}s, {overlap:.0%} hidden behind "
                 f"backward ({st.grad_wait_seconds:.3f}s waited at its end)"
             )
-        fixed = [c for c in self.chunks if c.fixed and not c.remote]
-        if fixed:
-            room = "; the gradients in the payloads' room" if fixed[0].grads_in_host else ""
+        kept = [c for c in self.chunks if c.kept and not c.remote]
+        if kept:
+            room = "; the gradients in the payloads' room" if kept[0].grads_in_payload else ""
             lines.append(
-                f"kept on the compute tier with their optimizer state: {len(fixed)} chunks "
+                f"kept on the compute tier with their optimizer state: {len(kept)} chunks "
                 f"({self.reserved_bytes():,} bytes beside their payloads{room}; "
                 f"{self.reservations.released_bytes:,} bytes of their host homes given back)"
             )
         if self.data_parallel is not None:
-            lines.append(self.data_parallel.describe(kept=sum(c.fixed for c in self.chunks)))
+            lines.append(self.data_parallel.describe(kept=sum(c.kept for c in self.chunks)))
         if self.monitor is not None:
             lines.append(
                 f"memory monitor: {len(self.monitor.samples):,} samples, peak "

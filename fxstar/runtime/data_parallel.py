@@ -48,9 +48,9 @@ import torch.distributed as dist
 from fxstar.runtime.tp_group import TPGroup, guard, process_group
 
 if TYPE_CHECKING:
-    from fxstar.runtime.chunks import ChunkManager
+    from fxstar.runtime.chunk import Chunk
     from fxstar.runtime.layout import ChunkPlan
-    from fxstar.runtime.residency import Chunk
+    from fxstar.runtime.step_chunks import StepChunks
 
 __all__ = ["ChunkGroups"]
 
@@ -253,66 +253,59 @@ class ChunkGroups:
 
     # -- the chunks' side ---------------------------------------------------------------------
 
-    def reduce_to_owners(self, manager: ChunkManager) -> None:
+    def reduce_to_owners(self, chunks: StepChunks) -> None:
         """Before the update: every owner holds the average of its chunks' gradients over the
         ranks, under the slots any rank gave one; the other ranks hold none (a payload room
         that held a gradient has its parameters back)."""
-        grads = manager.grads
-        grads.wait()
-        slots = [s for c in manager.chunks if c.host_grad is not None
+        chunks.wait_for_grads()
+        slots = [s for c in chunks.chunks if c.grad is not None
                  for s in c.slots if s.requires_grad]  # fmt: skip
-        local = torch.tensor([grads.has_grad(s) for s in slots], dtype=torch.bool)
+        local = torch.tensor([chunks.has_grad(s) for s in slots], dtype=torch.bool)
         agreed = self.agree_flags(local)
         with_grad = set()
         for slot, here, anywhere in zip(slots, local.tolist(), agreed.tolist(), strict=True):
             if not anywhere:
                 continue
             with_grad.add(slot.name)
-            chunk = manager.chunks[slot.chunk]
-            if chunk.grads_in_host:  # the room is the gradient's from here on, on every rank
-                chunk.grad_slots.add(slot.name)
+            chunks.chunk(slot.chunk).take_room(slot)  # the gradient's from here on, everywhere
             if not here:  # this rank's share of a gradient others have
-                grads.grad_view(slot).zero_()
-        for group in self.groups(manager.chunks):
-            parts = [c.host_grad[: c.used] if c.host_grad is not None else c.host[:0]
+                chunks.grad_view(slot).zero_()
+        for group in self.groups(chunks.chunks):
+            parts = [c.grad[: c.used] if c.grad is not None else c.payload[:0]
                      for c in group]  # fmt: skip
             if not any(p.numel() for p in parts):
                 continue
-            mine = self.reduce_group(parts, manager.layout.chunk_size)
+            mine = self.reduce_group(parts, chunks.layout.chunk_size)
             if mine is not None:
                 mine.div_(self.size)
-        for chunk in manager.chunks:
-            if chunk.host_grad is None:
+        for chunk in chunks.chunks:
+            if chunk.grad is None:
                 continue
             owned = [s for s in chunk.slots if s.name in with_grad] if self.owns(chunk.id) else []
-            if chunk.grads_in_host:  # the collective wrote the whole room: parameters back
-                chunk.round_into(chunk.host, [s for s in chunk.slots if s not in owned])
-                chunk.grad_slots = {s.name for s in owned}
+            chunk.keep_grads_only(owned)  # the collective wrote the whole room: parameters back
             for slot in chunk.slots:
-                grads.set_has_grad(slot, slot in owned)
+                chunks.set_has_grad(slot, slot in owned)
 
-    def share_updates(self, manager: ChunkManager) -> None:
+    def share_updates(self, chunks: StepChunks) -> None:
         """After the update: every rank's fp32 parameters of every trainable chunk become its
         owner's, and the low-precision payloads follow."""
-        for group in self.groups(manager.chunks):
-            homes = [manager.fp32_home(c) if c.host_grad is not None else c.host[:0]
-                     for c in group]  # fmt: skip
+        for group in self.groups(chunks.chunks):
+            homes = [c.fp32_home if c.grad is not None else c.payload[:0] for c in group]
             if not any(h.numel() for h in homes):
                 continue
-            self.gather_group(homes, manager.layout.chunk_size)
+            self.gather_group(homes, chunks.layout.chunk_size)
             for chunk in group:
-                if chunk.host_grad is None or self.owns(chunk.id):
+                if chunk.grad is None or self.owns(chunk.id):
                     continue
-                chunk.sync_host(manager.stable)
-                manager.host_updated(chunk.id)
+                chunks.masters_from_owner(chunk)
 
-    def start_sharded(self, manager: ChunkManager, masters: dict[str, torch.Tensor]) -> None:
+    def start_sharded(self, chunks: Sequence[Chunk], masters: dict[str, torch.Tensor]) -> None:
         """Sharded payloads, as the homes are made: each owner takes rank 0's values of its
         chunks (rank 0 sends them from its model, chunk by chunk), so the replicas start as
         rank 0's model, as DDP's do. A meta model's chunks are filled by their owners (from
         the same weights on every rank)."""
         with self._guard("sending rank 0's initial parameters to their owners"):
-            for chunk in manager.chunks:
+            for chunk in chunks:
                 owner = self.owner(chunk.id)
                 if owner == 0 or not chunk.used or any(masters[s.name].is_meta
                                                        for s in chunk.slots):  # fmt: skip
@@ -325,21 +318,21 @@ class ChunkGroups:
                     dist.send(values, group=self.pg, group_dst=owner)
                     self.bytes_sent += values.nbytes
                 elif self.rank == owner:
-                    dist.recv(manager.fp32_home(chunk), group=self.pg, group_src=0)
+                    dist.recv(chunk.fp32_home, group=self.pg, group_src=0)
 
-    def full_parameters(self, manager: ChunkManager) -> dict[str, torch.Tensor]:
+    def full_parameters(self, chunks: StepChunks) -> dict[str, torch.Tensor]:
         """Sharded: every chunk's fp32 parameters under each of their names, on every rank
         (each owner broadcasts its chunks one by one; collective, as a tensor-parallel
         state_dict is). A rank's own are views of its homes; the others' are fresh."""
         full: dict[str, torch.Tensor] = {}
         with self._guard("gathering the parameters from their owners"):
-            for chunk in manager.chunks:
+            for chunk in chunks.chunks:
                 if not chunk.used:
                     continue
                 if chunk.remote:  # like the owner's fp32 home
                     values = torch.empty(chunk.used, dtype=torch.float32)
                 else:
-                    values = manager.fp32_home(chunk)
+                    values = chunk.fp32_home
                 dist.broadcast(values, group=self.pg, group_src=self.owner(chunk.id))
                 for slot in chunk.slots:
                     view = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -387,27 +380,19 @@ class ChunkGroups:
         self.plans_from_rank_0 += 1
         return dataclasses.replace(plan, access=access, budget=budget, static_share=static_share)
 
-    def gradients_reduced(self, manager: ChunkManager) -> None:
-        """Sharded, before the update: what backward staged is with its owners (a backward
-        whose end-of-graph callback did not run leaves units staged: reduced here, alike)."""
-        manager.grads.wait()
-        shards = manager.grads.shards
-        if shards.staged:
-            shards.flush()
-
-    def updated(self, manager: ChunkManager) -> None:
+    def updated(self, chunks: StepChunks) -> None:
         """Sharded, after the update: every trainable chunk counts as changed on every rank
         (the owners stepped theirs), so every rank drops its copy at the same access and
         fetches the new values from the owner; a kept one (the device half, group-wide) gets
         them now, broadcast from its owner into every rank's copy."""
-        for spec in manager.layout.chunks:
-            chunk = manager.chunks[spec.id]
-            if chunk.fixed and chunk.used:
-                self.fetch(chunk.id, manager.chunk_view(chunk)[: chunk.used])
+        for spec in chunks.layout.chunks:
+            chunk = chunks.chunk(spec.id)
+            if chunk.kept and chunk.used:
+                self.fetch(chunk.id, chunk.payload[: chunk.used])
                 if chunk.remote:
-                    manager.compute_updated(chunk.id)  # saved views of it are stale now
+                    chunks.stepped(chunk)  # saved views of it are stale now
             elif spec.trainable:
-                manager.host_updated(spec.id)
+                chunk.host_changed()
 
     def least(self, value: int) -> int:
         """The smallest `value` of any rank (a margin every rank has)."""
@@ -416,10 +401,10 @@ class ChunkGroups:
             dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.pg)
         return int(least)
 
-    def start_alike(self, manager: ChunkManager) -> None:
+    def start_alike(self, chunks: StepChunks) -> None:
         """After the homes were filled: every replica starts as rank 0's."""
         if self.sharded:  # start_sharded did it as the homes were made
             return
-        homes = [manager.fp32_home(c) for c in manager.chunks if c.used]
+        homes = [c.fp32_home for c in chunks.chunks if c.used]
         self.broadcast(homes, "the initial parameters")
-        manager.masters_written()
+        chunks.masters_written()

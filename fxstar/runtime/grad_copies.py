@@ -69,8 +69,8 @@ class GradAccumulator:
     # -- the buffers ----------------------------------------------------------------------------
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        host_grad = self.residency.chunks[slot.chunk].host_grad
-        return host_grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        grad = self.residency.chunks[slot.chunk].grad
+        return grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def slot_grad(self, slot: ParamSlot) -> torch.Tensor | None:
         """This step's gradient of a parameter, or None when it got none."""
@@ -151,9 +151,8 @@ class GradAccumulator:
         stable = self.stable[slot.name]
         if self.low_precision:  # in the chunk's own dtype; the masters have no .grad
             self._check_not_consumed(slot, "accumulate into")
-            chunk = self.residency.chunks[slot.chunk]
-            if chunk.grads_in_host:  # before the copy: a load from now on restores the room
-                chunk.grad_slots.add(slot.name)
+            # before the copy: a load from now on restores the parameters in the room
+            self.residency.chunks[slot.chunk].take_room(slot)
             if slot.name in self.present:
                 self.wait()
                 buffer = self.grad_view(slot)

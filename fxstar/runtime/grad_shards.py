@@ -26,18 +26,33 @@ chunks is bounded (on a GPU the staging lives there, and the chunk plan leaves i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from fxstar.runtime.chunk import Chunk
 from fxstar.runtime.layout import MAX_STAGED, ChunkLayout, ParamSlot
 
-if TYPE_CHECKING:
-    from fxstar.runtime.data_parallel import ChunkGroups
-    from fxstar.runtime.residency import Chunk
+__all__ = ["GradShards", "UnitReducers"]
 
-__all__ = ["GradShards"]
+
+class UnitReducers(Protocol):
+    """The chunks' owners and the reduction of a staged unit to them
+    (data_parallel.ChunkGroups)."""
+
+    size: int
+    mem_saving: bool
+    pg: dist.ProcessGroup
+    peak_staging_bytes: int
+
+    def owner(self, chunk_id: int) -> int: ...
+
+    def owns(self, chunk_id: int) -> bool: ...
+
+    def reduce_unit(
+        self, staged: torch.Tensor, owners: list[int], chunk_size: int
+    ) -> torch.Tensor | None: ...
 
 
 class GradShards:
@@ -45,7 +60,7 @@ class GradShards:
 
     def __init__(
         self,
-        groups: ChunkGroups,
+        groups: UnitReducers,
         chunks: Sequence[Chunk],
         layout: ChunkLayout,
         take: Callable[[ParamSlot, torch.Tensor], None],

@@ -11,7 +11,7 @@ fetches in the same pass.
 The device half (`hybrid=True`): at the first training step, before its update (the traced
 forward and backward measured the margin), the chunks whose optimizer fits the compute tier's
 margin (what the traced step left free at its fullest moment, times `margin_use_ratio`) are
-kept there for good (`ChunkManager.fix`), with their moments and fp32 master beside them
+kept there for good (`StepChunks.keep`), with their moments and fp32 master beside them
 (and, under bf16/fp16 without accumulation or data parallelism, the gradient in the room of
 the compute payload, as on the host: 14 bytes per parameter kept; else a gradient buffer
 beside it too), and updated there: by torch's fused Adam on an accelerator, by the same C++
@@ -30,18 +30,29 @@ the compute tier when their chunk is kept there; the objects stay).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from fxstar.runtime import cpu_adam
-from fxstar.runtime.chunks import ChunkManager
+from fxstar.runtime.chunk import Chunk, ChunkBudgetError
 from fxstar.runtime.grad_norm import GradNorm
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
-from fxstar.runtime.residency import Chunk, ChunkBudgetError
+from fxstar.runtime.step_chunks import StepChunks
+
+if TYPE_CHECKING:
+    from fxstar.runtime.data_parallel import ChunkGroups
+
+__all__ = ["HostBudget", "HybridAdam"]
+
+
+class HostBudget(Protocol):
+    """The host memory budget, checked again once the device half is chosen: `kept`, the
+    chunks kept on the compute tier, whose host homes go back (fxstar.placement's)."""
+
+    def check(self, kept: list[int]) -> object: ...
 
 
 def _extend(view: torch.Tensor, offset: int, n: int) -> torch.Tensor:
@@ -53,7 +64,7 @@ def _extend(view: torch.Tensor, offset: int, n: int) -> torch.Tensor:
 class HybridAdam(torch.optim.Optimizer):
     def __init__(
         self,
-        manager: ChunkManager,
+        chunks: StepChunks,
         param_groups: list[dict[str, Any]],
         *,
         lr: float = 1e-3,
@@ -67,10 +78,12 @@ class HybridAdam(torch.optim.Optimizer):
         device_kernel: str = "auto",
         norm: GradNorm | None = None,
         accumulation_steps: int = 1,
-        host_check: Callable[[list[int]], object] | None = None,
+        host_budget: HostBudget | None = None,
+        data_parallel: ChunkGroups | None = None,
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
-        self.manager = manager
+        self.chunks = chunks
+        self.data_parallel = data_parallel  # the chunk owners and their collectives
         self.adamw = adamw
         self.clip_grad_norm = clip_grad_norm
         self.scaler = scaler
@@ -80,36 +93,36 @@ class HybridAdam(torch.optim.Optimizer):
         self.hybrid = hybrid
         self.margin_use_ratio = margin_use_ratio
         # a kept chunk's gradient in its compute payload's room (Reservations.fix)
-        self.share_room = manager.layout.kept_grad_in_payload(
-            grads_in_host=manager.grads_in_host, accumulation_steps=accumulation_steps
+        self.share_room = chunks.layout.kept_grad_in_payload(
+            grads_in_host=chunks.grads_in_payload, accumulation_steps=accumulation_steps
         )
         # the host budget checked again once the device half is chosen, before the moments
-        # are made (compile forecast the chunks kept): called with the chunks kept
-        self.host_check = host_check
+        # are made (compile forecast the chunks kept)
+        self.host_budget = host_budget
         if device_kernel not in ("auto", "torch", "cpu"):
             raise ValueError(f"device_kernel: 'auto', 'torch' or 'cpu', not {device_kernel!r}")
         if device_kernel == "auto":  # a CPU compute tier is best served by the C++ kernel
-            device_kernel = "cpu" if manager.device.type == "cpu" else "torch"
+            device_kernel = "cpu" if chunks.device.type == "cpu" else "torch"
         self.device_kernel = device_kernel
         # the model's norm from this rank's partial sums (tensor and data parallel)
-        groups = manager.data_parallel
+        groups = data_parallel
         self.norm = norm or GradNorm(data_parallel=groups.group if groups is not None else None)
         self._placed = False  # the device half is chosen at the first training step
         self.device_chunks: list[int] = []
         self.given_back: list[int] = []  # kept chunks a later plan had no room for
         # data parallel: the rank's own chunks only (runtime/data_parallel.py)
-        trainable = [c for c in manager.chunks if c.host_grad is not None and manager.owns(c.id)]
+        trainable = chunks.own_trainable()
         self._slots: dict[int, ParamSlot] = {}  # id(param) -> its place in the chunks
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for chunk in trainable:
             for slot in chunk.slots:
-                if id(manager.stable[slot.name]) in group_of:
-                    self._slots[id(manager.stable[slot.name])] = slot
+                if id(chunks.param(slot)) in group_of:
+                    self._slots[id(chunks.param(slot))] = slot
         # the moments are made at the first step, after the device half took its chunks: a
         # kept chunk's never exist on the host (see _host_moments)
         self._without_moments = trainable
         # parameters kept out of the chunks (cpu_embedding) are updated where they are
-        self._in_chunks = {id(p) for p in manager.stable.values()}
+        self._in_chunks = {id(p) for p in chunks.params()}
         for group in self.param_groups:
             for param in group["params"]:
                 if id(param) not in self._in_chunks:
@@ -127,13 +140,13 @@ class HybridAdam(torch.optim.Optimizer):
         return list(self.device_chunks) if self._placed else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.manager.zero_grad(set_to_none)
+        self.chunks.zero_grad(set_to_none)
 
     def _host_moments(self) -> None:
         """Host moments for the chunks that have none yet and are not kept on the compute
         tier: one buffer a chunk, as long as its parameters reach (its padding needs none)."""
         for chunk in self._without_moments:
-            if chunk.fixed:
+            if chunk.kept:
                 continue  # _keep made them on the compute tier
             used = chunk.used
             moments = host_empty(2 * used * 4, zero=True).view(torch.float32)
@@ -143,7 +156,7 @@ class HybridAdam(torch.optim.Optimizer):
     def _set_moments(self, chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Fresh state of the chunk's parameters, their moments viewing these chunk-long ones."""
         for slot in chunk.slots:
-            param = self.manager.stable[slot.name]
+            param = self.chunks.param(slot)
             if id(param) in self._slots:
                 part = slice(slot.offset, slot.offset + slot.numel)
                 self.state[param] = {
@@ -163,16 +176,14 @@ class HybridAdam(torch.optim.Optimizer):
             for param in group["params"]:
                 if id(param) not in self._in_chunks and param.grad is not None:
                     runs.append(([param], group, None, param.grad))
-        for chunk in self.manager.chunks:
-            if chunk.host_grad is None or not self.manager.owns(chunk.id):
-                continue
-            base = chunk.host_grad.data_ptr()
-            itemsize = chunk.host_grad.element_size()
+        for chunk in self.chunks.own_trainable():
+            base = chunk.grad.data_ptr()
+            itemsize = chunk.grad.element_size()
             for slot in chunk.slots:
-                param = self.manager.stable[slot.name]
+                param = self.chunks.param(slot)
                 if id(param) not in self._slots:
                     continue
-                grad = self.manager.slot_grad(slot)
+                grad = self.chunks.slot_grad(slot)
                 if grad is None:
                     continue
                 group = group_of[id(param)]
@@ -185,22 +196,19 @@ class HybridAdam(torch.optim.Optimizer):
                         g is group
                         and last.stop == slot.offset
                         and prev.chunk == slot.chunk
-                        and flat is chunk.host_grad
+                        and flat is chunk.grad
                         and self.state[params[-1]]["step"] == self.state[param]["step"]
                     ):
                         params.append(param)
                         runs[-1] = (params, g, slice(last.start, span.stop), flat)
                         continue
-                runs.append(([param], group, span, chunk.host_grad if in_buffer else grad))
+                runs.append(([param], group, span, chunk.grad if in_buffer else grad))
         return runs
 
     def _loose_grads(self) -> list[torch.Tensor]:
         """Gradients of the parameters kept out of the chunks (cpu_embedding)."""
         return [p.grad for g in self.param_groups for p in g["params"]
                 if id(p) not in self._in_chunks and p.grad is not None]  # fmt: skip
-
-    def _in_buffer(self, grad: torch.Tensor) -> bool:
-        return any(grad is c.host_grad for c in self.manager.chunks)
 
     @staticmethod
     def _grad_stats(grads: list[torch.Tensor]) -> tuple[float, bool]:
@@ -250,22 +258,22 @@ class HybridAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        groups = self.manager.data_parallel
+        groups = self.data_parallel
         if groups is not None:  # each owner gets its chunks' averaged gradients
             if groups.sharded:  # reduced during backward
-                groups.gradients_reduced(self.manager)
+                self.chunks.gradients_reduced()
             else:
-                groups.reduce_to_owners(self.manager)
+                groups.reduce_to_owners(self.chunks)
             groups.average(self._loose_grads())
         if self.hybrid and not self._placed:  # the traced forward and backward measured it
             self._place()
-            if self.host_check is not None and self._placed:
-                self.host_check(self.device_chunks)
+            if self.host_budget is not None and self._placed:
+                self.host_budget.check(self.device_chunks)
         self._host_moments()
         runs = self._runs()
         # a run's gradient: its span of the chunk's buffer, or the one tensor a user put there
         grads = [
-            flat[span] if span is not None and self._in_buffer(flat) else flat
+            flat[span] if span is not None and self.chunks.is_grad_buffer(flat) else flat
             for _, _, span, flat in runs
         ]
         grad_scale = 1.0
@@ -297,8 +305,7 @@ class HybridAdam(torch.optim.Optimizer):
                 )  # fmt: skip
                 continue
             slot = self._slots[id(params[0])]
-            chunk = self.manager.chunks[slot.chunk]
-            home = chunk.master if chunk.master is not None else chunk.host
+            chunk = self.chunks.chunk(slot.chunk)
             first = self.state[params[0]]
             for p in params:
                 self.state[p]["step"] += 1
@@ -307,28 +314,25 @@ class HybridAdam(torch.optim.Optimizer):
             moments = first["exp_avg"].view(-1), first["exp_avg_sq"].view(-1)
             n = span.stop - span.start
             exp_avg, exp_avg_sq = _extend(moments[0], offset, n), _extend(moments[1], offset, n)
-            if chunk.fixed:
+            if chunk.kept:
                 self._device_step(chunk, span, grad, exp_avg, exp_avg_sq, first["step"], group,
                                   grad_scale)  # fmt: skip
             else:
                 cpu_adam.adam_step(
-                    home[span], grad.reshape(-1), exp_avg, exp_avg_sq, step=step,
+                    chunk.fp32_home[span], grad.reshape(-1), exp_avg, exp_avg_sq, step=step,
                     lr=group["lr"], betas=group["betas"], eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
-                    out=chunk.host[span] if chunk.master is not None else None,
+                    out=_payload_out(chunk, span),
                 )  # fmt: skip
-            if chunk.grads_in_host:  # the copy-out overwrote the gradients in their room
-                self.manager.payload_written([self._slots[id(p)] for p in params])
+            if chunk.grads_in_payload:  # the copy-out overwrote the gradients in their room
+                self.chunks.payload_written(chunk, [self._slots[id(p)] for p in params])
             touched.add(slot.chunk)
         for chunk_id in touched:
-            if self.manager.chunks[chunk_id].fixed:
-                self.manager.compute_updated(chunk_id)
-            else:
-                self.manager.host_updated(chunk_id)
+            self.chunks.stepped(self.chunks.chunk(chunk_id))
         if groups is not None and groups.sharded:  # fetched from the owners from now on
-            groups.updated(self.manager)
+            groups.updated(self.chunks)
         elif groups is not None:  # the owners' updates to every replica
-            groups.share_updates(self.manager)
+            groups.share_updates(self.chunks)
         return True
 
     def _device_step(self, chunk, span: slice, grad, exp_avg, exp_avg_sq, step, group,
@@ -336,15 +340,13 @@ class HybridAdam(torch.optim.Optimizer):
         """A run of a chunk kept on the compute tier: torch's fused Adam where it lives, the
         low-precision compute copy rounded from the fp32 master after (when that tier is the
         CPU, the C++ kernel: same arithmetic, one pass, the copy written in it)."""
-        manager = self.manager
-        param = chunk.master[span] if chunk.master is not None else manager.chunk_view(chunk)[span]
+        param = chunk.fp32_home[span]
         grad = grad.reshape(-1)
         if self.device_kernel == "cpu":
             cpu_adam.adam_step(
                 param, grad, exp_avg, exp_avg_sq, step=int(step), lr=group["lr"],
                 betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                adamw=self.adamw, grad_scale=grad_scale,
-                out=manager.chunk_view(chunk)[span] if chunk.master is not None else None,
+                adamw=self.adamw, grad_scale=grad_scale, out=_payload_out(chunk, span),
             )  # fmt: skip
             return
         if grad.dtype != torch.float32 or grad_scale != 1.0:  # the kernel wants fp32, unscaled
@@ -354,29 +356,29 @@ class HybridAdam(torch.optim.Optimizer):
         fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step.to(param.device)],
               lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
               eps=group["eps"], amsgrad=False, maximize=False)  # fmt: skip
-        if chunk.master is not None:
-            manager.chunk_view(chunk)[span].copy_(param)
+        out = _payload_out(chunk, span)
+        if out is not None:
+            out.copy_(param)
 
     def _place(self) -> None:
         """Choose the device half once a training step was traced: the chunks used most often
         per step first (each kept one saves its loads), as many as the margin holds."""
-        manager = self.manager
-        moments = manager.tracer.training_step()
+        chunks = self.chunks
+        moments = chunks.traced_step()
         if not moments:
             return
-        lay = manager.layout
+        lay = chunks.layout
         per_chunk = lay.kept_chunk_bytes(share_room=self.share_room)
         uses: dict[int, int] = {}
         for moment in moments:
             uses[moment.chunk] = uses.get(moment.chunk, 0) + 1
-        groups = manager.data_parallel
+        groups = self.data_parallel
         if groups is not None and groups.sharded:
             self._keep_groups(uses, per_chunk)
             return
-        trainable = [c.id for c in manager.chunks if c.host_grad is not None
-                     and manager.owns(c.id)]  # fmt: skip
+        trainable = [c.id for c in chunks.own_trainable()]
         ranked = sorted(trainable, key=lambda c: (-uses.get(c, 0), c))
-        self._keep(ranked[: manager.margin(self.margin_use_ratio) // per_chunk])
+        self._keep(ranked[: chunks.margin(self.margin_use_ratio) // per_chunk])
 
     def _keep_groups(self, uses: dict[int, int], per_chunk: int) -> None:
         """Sharded payloads: every load is collective, so the ranks keep whole chunk groups,
@@ -385,23 +387,23 @@ class HybridAdam(torch.optim.Optimizer):
         owners' updates reach the others by a broadcast after each step. The margin is the
         least any rank has; groups with a frozen or padding chunk are not kept (the ranks'
         reserved bytes would differ, and with them their eviction choices)."""
-        manager = self.manager
-        groups = manager.data_parallel
-        lay = manager.layout
-        margin = groups.least(manager.margin(self.margin_use_ratio))
+        chunks = self.chunks
+        groups = self.data_parallel
+        lay = chunks.layout
+        margin = groups.least(chunks.margin(self.margin_use_ratio))
         per_group = (groups.size - 1) * lay.chunk_bytes + per_chunk
-        whole = [g for g in groups.groups(manager.chunks)
+        whole = [g for g in groups.groups(chunks.chunks)
                  if all(lay.chunks[c.id].trainable for c in g)]  # fmt: skip
         ranked = sorted(whole, key=lambda g: (-sum(uses.get(c.id, 0) for c in g), g[0].id))
         self._keep_whole_groups(ranked[: margin // per_group])
 
     def _keep_whole_groups(self, chosen: list[list[Chunk]]) -> None:
         """Keep these chunk groups on the compute tier on every rank (see _keep_groups)."""
-        manager = self.manager
+        chunks = self.chunks
         self._placed = True
         if chosen:  # every rank from the same resident set: their loads below pair up
-            manager.residency.drop_unused()
-        gathered = manager.residency.load_unit > 1
+            chunks.drop_unused()
+        gathered = chunks.load_unit > 1
         for group in chosen:
             # A group comes by one all-gather: each rank reserves its own chunk's room first
             # and then gathers, so every rank's arena takes the same blocks in the same order
@@ -409,7 +411,7 @@ class HybridAdam(torch.optim.Optimizer):
             # is a collective of its own: in chunk order on every rank.
             for chunk in sorted(group, key=lambda c: c.remote) if gathered else group:
                 if chunk.remote:
-                    manager.fix(chunk.id)  # its payload, fetched from the owner, stays
+                    chunks.keep(chunk.id)  # its payload, fetched from the owner, stays
                 else:  # a fragmented arena raises here (chunk by chunk, the others then
                     self._keep_one(chunk.id)  # time out, named)
 
@@ -417,26 +419,26 @@ class HybridAdam(torch.optim.Optimizer):
         """Keep these chunks on the compute tier with their moments beside them."""
         self._placed = True
         for chunk_id in chunk_ids:
-            reserved = len(self.manager.reserved)
+            reserved = self.chunks.reserved_count()
             try:
                 self._keep_one(chunk_id)
             except MemoryError:  # the arena is fragmented: keep the rest on the host
-                self.manager.unreserve(len(self.manager.reserved) - reserved)
+                self.chunks.unreserve(self.chunks.reserved_count() - reserved)
                 break
 
     def _keep_one(self, chunk_id: int) -> None:
         """Keep one chunk on the compute tier, its moments beside it (MemoryError when the
         arena has no block for them)."""
-        manager, n = self.manager, self.manager.layout.chunk_size
-        moments = manager.reserve(2 * n * 4, torch.float32)
-        manager.fix(chunk_id, share_room=self.share_room, beside=(moments,))
-        chunk = manager.chunks[chunk_id]
+        chunks, n = self.chunks, self.chunks.layout.chunk_size
+        moments = chunks.reserve(2 * n * 4, torch.float32)
+        chunks.keep(chunk_id, share_room=self.share_room, beside=(moments,))
+        chunk = chunks.chunk(chunk_id)
         self.device_chunks.append(chunk_id)
         if any(c is chunk for c in self._without_moments):  # no host moments: fresh here
             self._set_moments(chunk, moments[:n], moments[n:])
             return
         for slot in chunk.slots:
-            state = self.state.get(manager.stable[slot.name])
+            state = self.state.get(chunks.param(slot))
             if state is None:
                 continue
             part = slice(slot.offset, slot.offset + slot.numel)
@@ -449,22 +451,22 @@ class HybridAdam(torch.optim.Optimizer):
         fits `room` compute-tier bytes: a plan with less room (a later, larger input) runs
         next. Their moments go to the host with them, and the host budget is checked first
         with the chunks that stay. Returns the chunks given back."""
-        manager = self.manager
-        if manager.data_parallel is not None:  # one rank alone would leave the others' loads
+        chunks = self.chunks
+        if self.data_parallel is not None:  # one rank alone would leave the others' loads
             raise ChunkBudgetError(
                 f"chunks {self.device_chunks} are kept on the compute tier for good with their "
-                f"optimizer state (HybridAdam, {manager.kept_bytes():,} bytes) and this input's "
+                f"optimizer state (HybridAdam, {chunks.kept_bytes():,} bytes) and this input's "
                 f"chunk plan leaves them {room:,} bytes; under data parallelism kept chunks do "
                 "not go back to the host tier: run the largest input first (its first step "
                 "decides what is kept), or set hybrid_adam=False"
             )
         stay, given = list(self.device_chunks), []
-        total = manager.kept_bytes()
+        total = chunks.kept_bytes()
         while stay and total > room:
             given.append(stay.pop())  # device_chunks: the most used first
-            total -= manager.reservations.kept_chunk_bytes(given[-1])
-        if given and self.host_check is not None:
-            self.host_check(stay)
+            total -= chunks.kept_chunk_bytes(given[-1])
+        if given and self.host_budget is not None:
+            self.host_budget.check(stay)
         for chunk_id in given:
             self._give_back_one(chunk_id)
         self.device_chunks = stay
@@ -473,11 +475,10 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _give_back_one(self, chunk_id: int) -> None:
         """One kept chunk back to the host tier, its moments into a host buffer of its own."""
-        manager = self.manager
-        chunk = manager.chunks[chunk_id]
+        chunk = self.chunks.chunk(chunk_id)
         moments = host_empty(2 * chunk.used * 4, zero=True).view(torch.float32)
         for slot in chunk.slots:
-            state = self.state.get(manager.stable[slot.name])
+            state = self.state.get(self.chunks.param(slot))
             if not state or "exp_avg" not in state:
                 continue
             part = slice(slot.offset, slot.offset + slot.numel)
@@ -485,14 +486,14 @@ class HybridAdam(torch.optim.Optimizer):
                               ("exp_avg_sq", moments[chunk.used :])):  # fmt: skip
                 host[part].copy_(state[key].reshape(-1))
                 state[key] = host[part].view(slot.shape)
-        manager.unfix(chunk_id)  # frees the moments' block too
+        self.chunks.give_back(chunk_id)  # frees the moments' block too
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's, plus which chunks are kept on the compute tier: a resumed run updates
         each chunk with the same kernel as the run it continues (bitwise resumption)."""
         state = super().state_dict()
         state["fxstar_device_chunks"] = list(self.device_chunks) if self._placed else None
-        groups = self.manager.data_parallel  # chunk ids name chunks of a layout of this size
+        groups = self.data_parallel  # chunk ids name chunks of a layout of this size
         state["fxstar_data_parallel"] = groups.size if groups is not None else 1
         return state
 
@@ -500,19 +501,19 @@ class HybridAdam(torch.optim.Optimizer):
         """Torch's loading replaces state tensors; copy the values into the chunks instead."""
         state_dict = dict(state_dict)
         device_chunks = state_dict.pop("fxstar_device_chunks", None)
-        groups = self.manager.data_parallel
+        groups = self.data_parallel
         size = groups.size if groups is not None else 1
         if state_dict.pop("fxstar_data_parallel", 1) != size:  # another layout's chunk ids
             device_chunks = None  # the device half is chosen again at the next step
         if self.hybrid and device_chunks is not None and not self._placed:
             # a data-parallel checkpoint holds every rank's kept chunks (DataParallelRanks.read)
             if groups is not None and groups.sharded:  # whole groups, every rank alike
-                every = groups.groups(self.manager.chunks)
+                every = groups.groups(self.chunks.chunks)
                 self._keep_whole_groups(
                     [every[i] for i in sorted({c // size for c in device_chunks})]
                 )
             else:  # each rank its own
-                self._keep([c for c in device_chunks if self.manager.owns(c)])
+                self._keep([c for c in device_chunks if self.chunks.owns(c)])
         self._host_moments()  # the chunk-long moments the loaded values go into
         views = {id(p): dict(s) for p, s in self.state.items()}
         super().load_state_dict(state_dict)
@@ -527,3 +528,9 @@ class HybridAdam(torch.optim.Optimizer):
                 chunked[key].copy_(loaded[key])
             chunked["step"] = torch.as_tensor(loaded["step"], dtype=torch.float32).clone()
             self.state[param] = chunked
+
+
+def _payload_out(chunk: Chunk, span: slice) -> torch.Tensor | None:
+    """Where an update of a bf16/fp16 chunk's fp32 master is rounded into: its payload (on
+    the host, or its compute copy when kept); None for an fp32 chunk, whose payload it is."""
+    return chunk.payload[span] if chunk.master is not None else None

@@ -3,10 +3,10 @@
 After a traced training step the optimizer asks how much of the budget the step never needed
 (the margin), reserves blocks of the arena for the moments of some chunks, and keeps those
 chunks on the compute tier for good (fix), so their optimizer step runs there. A plan with
-less room (a later, larger input) has some go back to the host tier first (unfix). Composition,
-in two parts so that nothing points back: ReservedBlocks is the state (the arena blocks lent
-out), which Residency reads because reserved bytes come out of the chunks' share; Reservations
-makes the decisions and moves, through the Residency and GradAccumulator it is given.
+less room (a later, larger input) has some go back to the host tier first (unfix). The blocks
+are the compute tier's (runtime/tiers.py), which Residency reads because reserved bytes come
+out of the chunks' share; Reservations makes the decisions and moves the chunks' homes,
+through the Residency and GradAccumulator it is given.
 """
 
 from __future__ import annotations
@@ -16,58 +16,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxstar.runtime.arena import ArenaBuffer
+from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState, Home
 from fxstar.runtime.grad_copies import GradAccumulator
-from fxstar.runtime.host import release_pages
 from fxstar.runtime.layout import kept_room, spare_bytes
-from fxstar.runtime.residency import ChunkBudgetError, ChunkState, Residency
+from fxstar.runtime.residency import Residency
 from fxstar.runtime.tier_copy import copy_payload
+
+__all__ = ["Reservations"]
 
 
 @dataclass
 class _KeptHomes:
-    """A chunk fix() keeps: its host homes as it found them, and its reserved blocks."""
+    """A chunk fix() keeps: its host home as it found it, and its reserved blocks."""
 
-    host: torch.Tensor  # the host payload (its pages given back while kept)
-    master: torch.Tensor | None
-    host_grad: torch.Tensor | None
-    grads_in_host: bool  # its gradients took the host payload's room
+    home: Home  # on the host tier (its pages given back while kept)
     blocks: list[torch.Tensor] = field(default_factory=list)  # moments, gradient, master
     released: int = 0  # host bytes given back to the system
-
-
-class ReservedBlocks:
-    """The arena blocks kept beside the chunks, by offset, in the order they were taken."""
-
-    def __init__(self, arena: ArenaBuffer):
-        self.arena = arena
-        self.offsets: list[int] = []
-
-    def bytes(self) -> int:
-        return sum(self.arena.allocator.block_size(offset) for offset in self.offsets)
-
-    def take(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new zeroed block; ArenaOutOfMemory when the arena has none that large."""
-        offset = self.arena.alloc(nbytes)
-        self.offsets.append(offset)
-        block = self.arena.buffer[offset : offset + nbytes]
-        block.zero_()
-        return block.view(dtype)
-
-    def give_back(self, count: int) -> None:
-        """Free the last `count` blocks taken."""
-        for _ in range(count):
-            self.arena.free(self.offsets.pop())
-
-    def size(self, block: torch.Tensor) -> int:
-        """Bytes the arena gave the block `block` starts (a tensor take() returned)."""
-        return self.arena.allocator.block_size(block.data_ptr() - self.arena.buffer.data_ptr())
-
-    def free(self, block: torch.Tensor) -> None:
-        """Free the block `block` starts (a tensor take() returned)."""
-        offset = block.data_ptr() - self.arena.buffer.data_ptr()
-        self.offsets.remove(offset)
-        self.arena.free(offset)
 
 
 class Reservations:
@@ -76,17 +40,16 @@ class Reservations:
     def __init__(
         self,
         residency: Residency,
-        blocks: ReservedBlocks,
         grads: GradAccumulator,
         homes: dict[str, torch.Tensor],
     ):
         self.residency = residency
-        self.blocks = blocks
+        self.compute = residency.compute  # the arena, whose blocks are reserved
         self.grads = grads
-        self.homes = homes  # what each stable parameter is a view of: a fixed chunk's moves
-        self.released_bytes = 0  # host pages of fixed chunks given back to the system
-        # what fix() took for each chunk it keeps: its host homes as they were (their pages
-        # given back, their tensors kept for unfix), its reserved blocks, the pages released
+        self.homes = homes  # what each stable parameter is a view of: a kept chunk's moves
+        self.released_bytes = 0  # host pages of kept chunks given back to the system
+        # what fix() took for each chunk it keeps: its host home as it was (its pages given
+        # back, its tensors kept for unfix), its reserved blocks, the pages released
         self._kept: dict[int, _KeptHomes] = {}
 
     def margin(self, ratio: float) -> int:
@@ -115,36 +78,36 @@ class Reservations:
         return max(spare, 0)
 
     def reserved_bytes(self) -> int:
-        return self.blocks.bytes()
+        return self.compute.reserved_bytes()
 
     def kept_bytes(self) -> int:
         """Compute-tier bytes the chunks kept there for good hold: their payloads and the
         blocks reserved beside them (gradients, masters, moments)."""
-        fixed = sum(c.fixed for c in self.residency.chunks)
-        return fixed * self.residency.layout.chunk_bytes + self.reserved_bytes()
+        kept = sum(c.kept for c in self.residency.chunks)
+        return kept * self.residency.layout.chunk_bytes + self.reserved_bytes()
 
     def kept_chunk_bytes(self, chunk_id: int) -> int:
         """What one kept chunk holds on the compute tier: its payload and its blocks."""
         kept = self._kept.get(chunk_id)
         blocks = kept.blocks if kept is not None else []
-        return self.residency.layout.chunk_bytes + sum(map(self.blocks.size, blocks))
+        return self.residency.layout.chunk_bytes + sum(map(self.compute.block_size, blocks))
 
     def unreserve(self, count: int) -> None:
         """Give back the last `count` reserved blocks (a keep that could not complete)."""
-        self.blocks.give_back(count)
+        self.compute.unreserve(count)
 
     def reserve(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """`nbytes` of the compute tier for good, out of the chunks' share (zeroed)."""
         self.residency.drop_unused()
-        return self.blocks.take(nbytes, dtype)  # ArenaOutOfMemory when fragmented: caller stops
+        return self.compute.reserve(nbytes, dtype)  # ArenaOutOfMemory when fragmented
 
     def fix(self, chunk_id: int, *, share_room: bool = False,
             beside: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
         """Keep a chunk on the compute tier for good, with its gradient buffer and (bf16/fp16)
         its fp32 master there too: its optimizer step runs there and nothing of it crosses
-        tiers again (until a plan without room for it: unfix). The stable parameters become
-        views of the compute-tier copy. `beside`: blocks reserved for it already (its
-        moments), freed with its own when it goes back.
+        tiers again (until a plan without room for it: unfix). Its home is then its compute
+        copy, which the stable parameters view (or its master). `beside`: blocks reserved for
+        it already (its moments), freed with its own when it goes back.
 
         `share_room` (bf16/fp16, gradients in the payload's room): the gradient takes the room
         of the compute payload itself, as it took the host payload's (14 bytes per parameter
@@ -153,98 +116,89 @@ class Reservations:
         (ChunkManager.fetch, SavedTensors.unpack)."""
         residency, layout = self.residency, self.residency.layout
         chunk = residency.chunks[chunk_id]
-        if chunk.fixed:
+        if chunk.kept:
             return
+        used = slice(0, chunk.used)
         if chunk.remote:  # another rank's (sharded payloads): its fetched payload stays
             self._resident(chunk)
-            chunk.fixed = True
+            chunk.keep_on_compute(Home(self.compute, residency.chunk_view(chunk), None))
             return
-        n = layout.chunk_size
-        share_room = share_room and chunk.grads_in_host
-        kept = _KeptHomes(chunk.host, chunk.master, chunk.host_grad, chunk.grads_in_host,
-                          list(beside))  # fmt: skip
+        host = chunk.home
+        share_room = share_room and host.grad_in_payload
+        kept = _KeptHomes(host, list(beside))
         grad = None
-        if chunk.host_grad is not None and not share_room:
+        if host.grad is not None and not share_room:
             grad = self.reserve(layout.chunk_bytes, layout.dtype)
             kept.blocks.append(grad)
-        master = self.reserve(n * 4, torch.float32) if chunk.master is not None else None
+        master = self.reserve(layout.chunk_size * 4, torch.float32) if host.master is not None \
+            else None  # fmt: skip
         if master is not None:
             kept.blocks.append(master)
         self._resident(chunk)  # the payload's slots holding gradients: rounded masters
-        used = slice(0, chunk.used)
-        # what stays behind on the host is never read again: its pages go back (below)
-        left = [chunk.host[used], chunk.master, None if chunk.grads_in_host else chunk.host_grad]
+        payload = residency.chunk_view(chunk)
         if grad is not None:
-            copy_payload(grad[used], chunk.host_grad[used])
-            chunk.host_grad = grad
-            chunk.grads_in_host = False  # its gradients live beside it on the compute tier now
-            chunk.grad_slots.clear()
+            copy_payload(grad[used], host.grad[used])
         elif share_room:  # this step's gradients move into the compute payload's room
-            payload = residency.chunk_view(chunk)
             for slot in chunk.slots_holding_grads():
                 span = slice(slot.offset, slot.offset + slot.numel)
-                copy_payload(payload[span], chunk.host[span])
-            chunk.host = chunk.host_grad = payload
-        home = residency.chunk_view(chunk)
+                copy_payload(payload[span], host.payload[span])
         if master is not None:
-            copy_payload(master[used], chunk.master[used])
-            chunk.master = home = master
+            copy_payload(master[used], host.master[used])
         else:  # the host home is the latest (a resident copy may predate an optimizer step)
-            copy_payload(home[used], chunk.host[used])
-        self._view_homes(chunk, home)
-        chunk.fixed = True
+            copy_payload(payload[used], host.payload[used])
+        chunk.keep_on_compute(Home(self.compute, payload, payload if share_room else grad,
+                                   master, grad_in_payload=share_room))  # fmt: skip
+        self._view_homes(chunk)
         residency.round_master(chunk)
-        kept.released = sum(release_pages(t[used]) for t in left if t is not None)
+        # what stays behind on the host is never read again: its pages go back
+        left = [host.payload, host.master, None if host.grad_in_payload else host.grad]
+        kept.released = host.tier.give_back([t[used] for t in left if t is not None])
         self.released_bytes += kept.released
         self._kept[chunk_id] = kept
 
     def unfix(self, chunk_id: int) -> None:
         """A chunk kept on the compute tier goes back to the host tier: payload, gradients
-        (in the payload's room again where they had it) and master into its host homes as
-        fix() found them, its blocks freed (its moments too: the optimizer copied them out
-        first), the stable parameters views of the host homes; it is then paged like any
+        (in the payload's room again where they had it) and master into its host home as
+        fix() found it, its blocks freed (its moments too: the optimizer copied them out
+        first), the stable parameters views of the host home; it is then paged like any
         other. Between steps only: nothing may be using it."""
         residency = self.residency
         chunk = residency.chunks[chunk_id]
         kept = self._kept.pop(chunk_id, None)
-        if not chunk.fixed or kept is None:
+        if not chunk.kept or kept is None:
             raise ValueError(f"chunk {chunk_id} is not kept on the compute tier by fix()")
-        if chunk.state is ChunkState.COMPUTE:  # pins left by an abandoned step
-            chunk.pins = 0
-            chunk.move(ChunkState.HOLD_AFTER_FWD)
+        chunk.drop_pins()  # pins left by an abandoned step
         used = slice(0, chunk.used)
-        payload = residency.chunk_view(chunk)
+        here, host = chunk.home, kept.home
         present = [s for s in chunk.slots if self.grads.has_grad(s)]
         # written through `.data`: the values do not change, so neither may the version the
         # stable parameters share with every view of their host buffer (what autograd saved
         # of any chunk before this would read as modified)
-        host = kept.host.data
-        copy_payload(host[used], payload[used])  # gradients where they had the room
-        grad_slots = set(chunk.grad_slots)
-        if kept.host_grad is not None and not chunk.grads_in_host:  # a gradient block of its own
-            if kept.grads_in_host:  # back into the payload's room, as fix() found them
+        payload = host.payload.data
+        copy_payload(payload[used], here.payload[used])  # gradients where they had the room
+        grad_rooms = set(chunk.grad_slots)
+        if host.grad is not None and not here.grad_in_payload:  # a gradient block of its own
+            if host.grad_in_payload:  # back into the payload's room, as fix() found them
                 for slot in present:
                     span = slice(slot.offset, slot.offset + slot.numel)
-                    copy_payload(host[span], chunk.host_grad[span])
-                grad_slots = {s.name for s in present}
+                    copy_payload(payload[span], here.grad[span])
+                grad_rooms = {s.name for s in present}
             else:
-                copy_payload(kept.host_grad.data[used], chunk.host_grad[used])
-        if kept.master is not None:
-            copy_payload(kept.master.data[used], chunk.master[used])
-        chunk.host, chunk.master, chunk.host_grad = kept.host, kept.master, kept.host_grad
-        chunk.grads_in_host = kept.grads_in_host
-        chunk.grad_slots = grad_slots if kept.grads_in_host else set()
-        chunk.fixed = False
-        self._view_homes(chunk, chunk.master if chunk.master is not None else chunk.host)
+                copy_payload(host.grad.data[used], here.grad[used])
+        if host.master is not None:
+            copy_payload(host.master.data[used], here.master[used])
+        chunk.back_to_host(host, grad_rooms)
+        self._view_homes(chunk)
         chunk.sync_host(residency.stable)  # the payload's parameters from the masters
-        chunk.host_version += 1  # the host copy is the latest; the resident one goes
-        residency.evict(chunk)
+        residency.evict(chunk)  # the host copy is the latest: the resident one goes
         for block in kept.blocks:
-            self.blocks.free(block)
+            self.compute.free(block)
         self.released_bytes -= kept.released
 
-    def _view_homes(self, chunk, home: torch.Tensor) -> None:
-        """The chunk's stable parameters (and their gradients) view `home` and its buffers."""
+    def _view_homes(self, chunk: Chunk) -> None:
+        """The chunk's stable parameters (and their gradients) view its fp32 home and its
+        gradient buffer."""
+        home = chunk.fp32_home
         for slot in chunk.slots:
             stable = self.residency.stable[slot.name]
             stable.data = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -252,7 +206,7 @@ class Reservations:
             if stable.grad is not None:
                 stable.grad = self.grads.grad_view(slot)
 
-    def _resident(self, chunk) -> None:
+    def _resident(self, chunk: Chunk) -> None:
         """The chunk loaded into a block of its own, if it is not resident already."""
         if chunk.resident:
             return
@@ -262,9 +216,3 @@ class Reservations:
         if offset is None:
             raise ChunkBudgetError(f"no arena block left to keep chunk {chunk.id} in")
         residency.load(chunk, offset, ChunkState.HOLD)
-
-    def compute_updated(self, chunk_id: int) -> None:
-        """The optimizer wrote a fixed chunk's compute copy (and master) itself."""
-        chunk = self.residency.chunks[chunk_id]
-        chunk.updates += 1
-        chunk.loaded_versions = self.residency.versions(chunk)

@@ -20,146 +20,38 @@ the chunks through it.
 from __future__ import annotations
 
 import bisect
-import enum
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from fxstar.errors import FxstarError
-from fxstar.runtime.arena import ArenaBuffer, ArenaOutOfMemory
+from fxstar.runtime.arena import ArenaOutOfMemory
+from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot, blocks_at_once
 from fxstar.runtime.tier_copy import copy_payload
+from fxstar.runtime.tiers import ComputeTier
 from fxstar.runtime.tracer import MemoryTracer
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from fxstar.runtime.data_parallel import ChunkGroups
-    from fxstar.runtime.reservations import ReservedBlocks
-
+__all__ = ["PREFETCH_LOOKAHEAD", "PayloadOwners", "Residency"]
 
 PREFETCH_LOOKAHEAD = 64  # accesses a prefetch looks ahead for a chunk that is not resident
-
-
-class ChunkBudgetError(FxstarError, MemoryError):
-    """What one moment of the step needs does not fit the compute tier's budget."""
-
-
-class ChunkState(enum.Enum):
-    FREE = "free"  # no payload yet
-    RELEASED = "released"  # on the host tier only
-    COMPUTE = "compute"  # on the compute tier and in use: pinned
-    HOLD = "hold"  # on the compute tier, not in use (prefetched)
-    HOLD_AFTER_FWD = "hold_after_fwd"  # forward is done with it; evictable
-    HOLD_AFTER_BWD = "hold_after_bwd"  # backward is done with it; evictable
-
-
 S = ChunkState
-LEGAL: dict[ChunkState, set[ChunkState]] = {
-    S.FREE: {S.RELEASED},
-    S.RELEASED: {S.COMPUTE, S.HOLD},
-    S.COMPUTE: {S.COMPUTE, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD},
-    S.HOLD: {S.COMPUTE, S.RELEASED},
-    S.HOLD_AFTER_FWD: {S.COMPUTE, S.RELEASED},
-    S.HOLD_AFTER_BWD: {S.COMPUTE, S.RELEASED},
-}
-RESIDENT = {S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}
 
 
-@dataclass
-class Chunk:
-    id: int
-    slots: list[ParamSlot]
-    host: torch.Tensor  # `used` elements on the host tier: what the compute tier copies
-    host_grad: torch.Tensor | None  # gradient buffer, or None for frozen chunks
-    used: int = 0  # elements taken by parameters: only these are copied
-    master: torch.Tensor | None = None  # fp32 master when the chunks hold a lower precision
-    host_version: int = 0  # bumped when the host copy changes behind torch's back (our Adam)
-    updates: int = 0  # optimizer steps that changed its parameters (saved views go stale)
-    synced_versions: tuple[int, ...] = ()  # masters' versions when `host` was made from them
-    state: ChunkState = ChunkState.FREE
-    offset: int | None = None  # arena byte offset while resident
-    pins: int = 0
-    loaded_versions: tuple[int, ...] = ()  # host_version and stable versions when copied
-    last_access: int = -1
-    fixed: bool = False  # kept on the compute tier for good, optimizer included (fix())
-    # bf16/fp16: the gradient takes the room of the host payload (`host_grad` views `host`),
-    # slot by slot as backward produces it; `grad_slots` names the slots whose room holds a
-    # gradient now. Their parameters are the rounded masters, which restore them. A chunk kept
-    # on the compute tier for good has its payload there (`host` views its arena block): a
-    # read of a slot whose room holds a gradient gets the rounded master instead (`rounded`).
-    grads_in_host: bool = False
-    grad_slots: set[str] = field(default_factory=set)
-    # data parallel with sharded payloads: another rank owns it, this one has no host home
-    # (`host` is empty) and gets its payload from the owner at each load
-    remote: bool = False
+class PayloadOwners(Protocol):
+    """Sharded payloads: the ranks that own the chunks and the collectives a load runs
+    (data_parallel.ChunkGroups)."""
 
-    def move(self, new: ChunkState) -> None:
-        if new not in LEGAL[self.state]:
-            raise RuntimeError(
-                f"chunk {self.id}: illegal state change {self.state.value} -> {new.value}"
-            )
-        self.state = new
+    def fetch(self, chunk_id: int, payload: torch.Tensor, *, wait: bool = True) -> object: ...
 
-    @property
-    def resident(self) -> bool:
-        return self.state in RESIDENT
+    def gather(self, first: int, block: torch.Tensor, *, wait: bool = True) -> object: ...
 
-    def sync_host(self, stable: Mapping[str, nn.Parameter]) -> None:
-        """Round the fp32 masters into the chunk's low-precision host copy (a slot whose room
-        holds its gradient keeps it)."""
-        if self.master is None or self.fixed:  # a fixed chunk's copy is on the compute tier
-            return
-        if self.grad_slots:
-            self.round_into(self.host, self.slots_holding_grads(False))
-        else:
-            self.host[: self.used].copy_(self.master[: self.used])
-        self.synced_versions = tuple(stable[s.name]._version for s in self.slots)
-        self.host_version += 1
-
-    def slots_holding_grads(self, holding: bool = True) -> list[ParamSlot]:
-        """The slots whose host room holds a gradient now (or, `holding=False`, the others)."""
-        return [s for s in self.slots if (s.name in self.grad_slots) == holding]
-
-    def round_into(self, payload: torch.Tensor, slots: Sequence[ParamSlot]) -> None:
-        """These slots' parameters, rounded from their fp32 masters, into a payload laid out
-        as the chunk (its host copy or its compute-tier copy)."""
-        for slot in slots:
-            span = slice(slot.offset, slot.offset + slot.numel)
-            payload[span].copy_(self.master[span])
-
-    def holds_grad_within(self, start: int, stop: int) -> bool:
-        """Whether a gradient has the room of any element in [start, stop) of the payload."""
-        return any(
-            slot.offset < stop and start < slot.offset + slot.numel
-            for slot in self.slots_holding_grads()
-        )
-
-    def rounded(
-        self,
-        offset: int,
-        size: Sequence[int],
-        dtype: torch.dtype,
-        stride: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """Payload elements (contiguous, or as strided) as a tensor of their own, rounded from
-        the fp32 master: what the payload holds where no gradient took its room (a read of a
-        slot whose room does)."""
-        if stride is None:
-            stride = torch.empty(tuple(size), device="meta").stride()
-        start = self.master.storage_offset() + offset  # as_strided counts from the storage's
-        return self.master.as_strided(tuple(size), tuple(stride), start).to(dtype, copy=True)
-
-    def restore_params(self) -> None:
-        """Every slot whose host room holds a gradient gets its parameters back (the gradient
-        was consumed or is dropped)."""
-        if self.grad_slots:
-            self.round_into(self.host, self.slots_holding_grads())
-            self.grad_slots.clear()
+    def arrived(self, chunk_id: int, work: object) -> None: ...
 
 
 class Residency:
@@ -171,8 +63,7 @@ class Residency:
         chunks: list[Chunk],
         stable: dict[str, nn.Parameter],
         *,
-        arena: ArenaBuffer,
-        reserved: ReservedBlocks,
+        compute: ComputeTier,
         stats: ChunkStats,
         tracer: MemoryTracer,
         budget: int | None,
@@ -180,16 +71,15 @@ class Residency:
         mem_cache: int,
         prefetch: bool,
         copy_stream: torch.cuda.Stream | None,
-        owners: ChunkGroups | None = None,
+        owners: PayloadOwners | None = None,
         load_unit: int = 1,
     ):
         self.layout = layout
-        self.device = arena.device
+        self.compute = compute  # the arena, and the blocks kept beside the chunks
+        self.device = compute.device
         self.chunks = chunks
         self.stable = stable  # the parameters users see: their versions tell a stale copy
-        self.arena = arena
-        self.arena_elements = arena.buffer.view(layout.dtype)
-        self.reserved = reserved  # arena blocks kept beside the chunks, out of their share
+        self.arena = compute.arena
         self.stats = stats
         self.tracer = tracer
         self.budget = budget
@@ -218,9 +108,7 @@ class Residency:
     def begin_step(self, plan: AccessPlan) -> None:
         """Follow `plan` from its first access; what the last step moved is counted."""
         for chunk in self.chunks:  # pins left by an abandoned step
-            if chunk.state is S.COMPUTE:
-                chunk.pins = 0
-                chunk.move(S.HOLD_AFTER_FWD)
+            chunk.drop_pins()
         now = time.perf_counter()
         if any(phase == "backward" for _, phase in self.recorded):  # a training step ended
             self.stats.end_step(self.step_bytes, now - self.step_started)
@@ -246,7 +134,7 @@ class Residency:
         t = self.advance(chunk_id)
         self.recorded.append((chunk_id, phase))
         chunk = self.chunks[chunk_id]
-        if chunk.fixed:  # fp32: the stable parameters are its payload, never stale
+        if chunk.kept:  # fp32: the stable parameters are its payload, never stale
             if chunk.master is not None and self._stale(chunk):
                 self.round_master(chunk)  # someone changed the masters on the compute tier
         elif (chunk.resident and not chunk.pins  # pinned: its readers keep the copy they saw
@@ -257,9 +145,7 @@ class Residency:
             self.stats.prefetch_hits += chunk.resident
         self._make_room(t, chunk)
         self._arrived(chunk)
-        if chunk.state is not S.COMPUTE:
-            chunk.move(S.COMPUTE)
-        chunk.last_access = t
+        chunk.accessed(t)
         pinned = blocks_at_once({c.id for c in self.chunks if c.pins or c is chunk},
                                 self.load_unit) * self.layout.chunk_bytes  # fmt: skip
         self.tracer.record(t, phase, chunk_id, self.resident_bytes(), self.share(t), pinned)
@@ -298,8 +184,8 @@ class Residency:
         plan = self.plan
         nonmodel = plan.nonmodel_bytes[t] if plan is not None and t < len(plan) else 0
         if self.budget is None:  # no device_memory: the arena holds every chunk
-            return self.arena.capacity - self.reserved.bytes()
-        return min(self.arena.capacity, self.budget - nonmodel) - self.reserved.bytes()
+            return self.arena.capacity - self.compute.reserved_bytes()
+        return min(self.arena.capacity, self.budget - nonmodel) - self.compute.reserved_bytes()
 
     def resident_bytes(self) -> int:
         return sum(self.layout.chunk_bytes for c in self.chunks if c.resident)
@@ -339,7 +225,7 @@ class Residency:
         best, best_key = None, None
         for unit in self.units():
             if (not unit[0].resident or keep in unit
-                    or any(c.pins or c.fixed for c in unit)):  # fmt: skip
+                    or any(c.pins or c.kept for c in unit)):  # fmt: skip
                 continue
             key = (min(self._next_use(c, t) for c in unit), -max(c.last_access for c in unit))
             if best_key is None or key > best_key:
@@ -374,8 +260,7 @@ class Residency:
         self._arrived(chunk)  # its block is about to be reused
         block = unit[0].offset
         for member in unit:
-            member.move(S.RELEASED)
-            member.offset = None
+            member.evicted()
         if len(self.cache) < self.cache_capacity:
             self.cache.append(block)
         else:
@@ -394,7 +279,7 @@ class Residency:
         loaded afresh. A group is loaded as one: a member in use (no step leaves one in use
         when the optimizer steps) would be overwritten under its readers, so that is an
         error, not a reload."""
-        busy = [c.id for c in self.unit(chunk) if c.pins or c.fixed]
+        busy = [c.id for c in self.unit(chunk) if c.pins or c.kept]
         if busy:
             raise RuntimeError(
                 f"chunk {chunk.id} changed while chunks {busy} of its group are in use or kept: "
@@ -407,9 +292,7 @@ class Residency:
         """Evict every unit none of whose chunks is in use and empty the block cache: room to
         reserve from."""
         for unit in self.units():
-            if unit[0].resident and not any(
-                c.pins or c.fixed or c.state is S.COMPUTE for c in unit
-            ):
+            if unit[0].resident and not any(c.pins or c.kept or c.state is S.COMPUTE for c in unit):
                 self._evict(unit[0], count=False)
         while self.cache:
             self.arena.free(self.cache.pop())
@@ -442,19 +325,19 @@ class Residency:
         into its place (a rank's own chunks), then, with sharded payloads, what other ranks
         own from them. The other members of a group come in as prefetched (HOLD)."""
         unit = self.unit(chunk)
+        versions = []
         for i, member in enumerate(unit):
-            versions = self.versions(member)  # first: it may refresh the host copy
-            member.offset = offset + i * self.layout.chunk_bytes
+            versions.append(self.versions(member))  # first: it may refresh the host copy
+            member.placed(offset + i * self.layout.chunk_bytes)
             if not member.remote:
                 payload = self.view(member, 0, (member.used,))
-                self.copy(payload, member.host[: member.used], to_host=False)
+                self.copy(payload, member.payload[: member.used], to_host=False)
                 if member.grad_slots:  # their host room holds gradients: masters' values
                     member.round_into(payload, member.slots_holding_grads())
-            member.loaded_versions = versions
         if self.owners is not None:
             self._from_owners(unit, wait=state is not S.HOLD)
-        for member in unit:
-            member.move(state if member is chunk else S.HOLD)
+        for member, loaded in zip(unit, versions, strict=True):
+            member.loaded(loaded, state if member is chunk else S.HOLD)
             self.stats.loads += 1
 
     def _from_owners(self, unit: list[Chunk], *, wait: bool) -> None:
@@ -503,20 +386,19 @@ class Residency:
             self.step_bytes += nbytes
 
     def round_master(self, chunk: Chunk) -> None:
-        """A fixed chunk's compute copy made again from its fp32 master (if it has one); a
+        """A kept chunk's compute copy made again from its fp32 master (if it has one); a
         slot whose room holds its gradient keeps it."""
         if chunk.master is not None and chunk.grad_slots:
             chunk.round_into(self.chunk_view(chunk), chunk.slots_holding_grads(False))
         elif chunk.master is not None:
             self.view(chunk, 0, (chunk.used,)).copy_(chunk.master[: chunk.used])
-        chunk.loaded_versions = self.versions(chunk)
+        chunk.copy_current(self.versions(chunk))
 
     def versions(self, chunk: Chunk) -> tuple[int, ...]:
         """What the chunk's copy was made from: host version and stable parameters' versions."""
-        stable = tuple(self.stable[s.name]._version for s in chunk.slots)
-        if chunk.master is not None and stable != chunk.synced_versions:
+        if chunk.masters_changed(self.stable):
             chunk.sync_host(self.stable)  # someone changed the masters: round them again
-        return (chunk.host_version, *stable)
+        return (chunk.host_version, *(self.stable[s.name]._version for s in chunk.slots))
 
     def _stale(self, chunk: Chunk) -> bool:
         return chunk.loaded_versions != self.versions(chunk)
@@ -524,18 +406,12 @@ class Residency:
     # -- tensors of the arena -------------------------------------------------------------------
 
     def arena_ptr(self) -> int:
-        return self.arena.buffer.untyped_storage().data_ptr()
+        return self.compute.arena_ptr()
 
     def leaf(self, chunk: Chunk, slot: ParamSlot) -> torch.Tensor:
-        """A parameter's values in the arena as a tensor of its own: not an autograd view of
-        the arena buffer (views of a view would route their gradient to the buffer, not to
-        this leaf), and with a version counter of its own (`detach` would share the buffer's,
-        which every chunk load bumps: a custom Function handing the parameter on as-is would
-        then see its input "modified in place")."""
-        leaf = torch.empty(0, dtype=self.layout.dtype, device=self.device)
-        base = chunk.offset // self.layout.dtype.itemsize + slot.offset
-        stride = torch.empty(slot.shape, device="meta").stride()
-        return leaf.set_(self.arena_elements.untyped_storage(), base, slot.shape, stride)
+        """A parameter's values in the chunk's arena copy as a leaf of its own (see
+        ComputeTier.leaf)."""
+        return self.compute.leaf(chunk.offset, slot)
 
     def view(
         self,
@@ -545,13 +421,7 @@ class Residency:
         stride: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Elements of a resident chunk's arena copy, from `offset` (elements) on."""
-        base = chunk.offset // self.layout.dtype.itemsize + offset
-        if stride is None:
-            numel = 1
-            for d in shape:
-                numel *= d
-            return self.arena_elements[base : base + numel].view(shape)
-        return self.arena_elements.as_strided(shape, stride, base)
+        return self.compute.view(chunk.offset, offset, shape, stride)
 
     def chunk_view(self, chunk: Chunk) -> torch.Tensor:
         """A resident chunk's compute-tier copy, all its elements."""
@@ -566,7 +436,7 @@ class Residency:
         in_arena = (
             self.arena.stats()["in_use"]
             - len(self.cache) * self.arena.allocator.round_up(self.unit_bytes)
-            - self.reserved.bytes()
+            - self.compute.reserved_bytes()
         )
         if in_arena != sum(
             self.arena.allocator.block_size(unit[0].offset)
@@ -580,8 +450,8 @@ class Residency:
             )
 
     def _budget_error(self, t: int, why: str) -> ChunkBudgetError:
-        pinned = [c.id for c in self.chunks if c.pins and not c.fixed]
-        kept = [c.id for c in self.chunks if c.fixed]
+        pinned = [c.id for c in self.chunks if c.pins and not c.kept]
+        kept = [c.id for c in self.chunks if c.kept]
         groups = (f" (a load brings a whole group of {self.load_unit}: mem_saving_comm=True "
                   "loads one chunk)" if self.load_unit > 1 else "")  # fmt: skip
         beside = ""
@@ -589,7 +459,7 @@ class Residency:
             beside = (
                 f"; chunks {kept} are kept on the compute tier for good with their optimizer "
                 f"state (HybridAdam), {len(kept) * self.layout.chunk_bytes:,} bytes of payloads "
-                f"and {self.reserved.bytes():,} bytes reserved beside them"
+                f"and {self.compute.reserved_bytes():,} bytes reserved beside them"
             )
         return ChunkBudgetError(
             f"chunk budget exceeded at access {t} ({why}): chunks {pinned} are in use, "

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fxstar.runtime.residency import Chunk, ChunkState, Residency
+from fxstar.runtime.chunk import Chunk, ChunkState
+from fxstar.runtime.residency import Residency
 
 Pins = tuple[object | None, list[Chunk]]  # the backward node that pinned them, and the chunks
 
@@ -83,9 +84,9 @@ class SavedTensors:
                 "forward again."
             )
         chunk = self.residency.access(packed.chunk, "backward")
-        chunk.pins += 1
+        chunk.pin()
         self.node_pins[1].append(chunk)
-        if chunk.fixed and chunk.grad_slots:  # a gradient may have taken the room it read
+        if chunk.kept and chunk.grad_slots:  # a gradient may have taken the room it read
             extent = sum((n - 1) * s for n, s in zip(packed.size, packed.stride, strict=True))
             if chunk.holds_grad_within(packed.offset, packed.offset + extent + 1):
                 return chunk.rounded(packed.offset, packed.size, self.residency.layout.dtype,
@@ -123,9 +124,7 @@ class SavedTensors:
     @staticmethod
     def _unpin(chunks: list[Chunk]) -> None:
         for chunk in chunks:
-            chunk.pins -= 1
-            if chunk.pins == 0:
-                chunk.move(ChunkState.HOLD_AFTER_BWD)
+            chunk.unpin(ChunkState.HOLD_AFTER_BWD)
 
     # -- content versions -----------------------------------------------------------------------
 

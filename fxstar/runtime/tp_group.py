@@ -30,7 +30,7 @@ from fxstar.runtime.buffer_pool import BufferPool
 from fxstar.runtime.step_check import StepCursor
 
 if TYPE_CHECKING:
-    from fxstar.runtime.rng_tracker import RankStream
+    from fxstar.runtime.rank_stream import RankStream
 
 __all__ = [
     "TPGroup",

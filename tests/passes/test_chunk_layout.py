@@ -90,7 +90,7 @@ def test_frozen_parameters_get_chunks_without_gradient_space():
     for chunk in engine.chunks.chunks:
         kinds = {s.requires_grad for s in chunk.slots}
         assert len(kinds) == 1  # never mixed
-        assert (chunk.host_grad is None) == (kinds == {False})
+        assert (chunk.grad is None) == (kinds == {False})
     ids, targets = tokens()
     engine(ids, targets).backward()
     assert all(p.grad is None for p in model.h[0].parameters())

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from fxstar.runtime import tier_copy
-from fxstar.runtime.chunks import Chunk, ChunkBudgetError, ChunkManager, ChunkState
+from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState, Home
+from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
+from fxstar.runtime.tiers import HostTier
 
 N = 64  # elements per chunk: one parameter of 8 x 8 each
 
@@ -27,7 +29,7 @@ def plan(order: list[int]) -> AccessPlan:
 
 
 def test_illegal_state_changes_raise():
-    chunk = Chunk(0, [], torch.zeros(1), None)
+    chunk = Chunk(0, [], Home(HostTier(pin=False), torch.zeros(1), None))
     with pytest.raises(RuntimeError, match="illegal state change free -> compute"):
         chunk.move(ChunkState.COMPUTE)
     chunk.move(ChunkState.RELEASED)
@@ -77,7 +79,7 @@ def test_gradients_land_in_the_host_buffer_of_the_stable_parameter():
         (w * 3).sum().backward()
     stable = m.stable["p0"]
     assert torch.equal(stable.grad, torch.full((8, 8), 3.0))
-    assert stable.grad.data_ptr() == m.chunks[0].host_grad.data_ptr()
+    assert stable.grad.data_ptr() == m.chunks[0].grad.data_ptr()
     assert w.grad is None
 
 
@@ -150,12 +152,12 @@ def test_a_kept_chunk_goes_back_to_the_host_tier_with_its_values_and_gradient():
     m.compute_updated(0)
     m.unfix(0)
     chunk = m.chunks[0]
-    assert not chunk.fixed and not chunk.resident and m.reserved_bytes() == 0
+    assert not chunk.kept and not chunk.resident and m.reserved_bytes() == 0
     assert m.arena.stats()["in_use"] <= len(m.residency.cache) * m.layout.chunk_bytes
-    assert stable.data_ptr() == chunk.host.data_ptr()  # the host home again
+    assert stable.data_ptr() == chunk.payload.data_ptr()  # the host home again
     assert torch.equal(stable, torch.full((8, 8), 5.0))
     assert torch.equal(stable.grad, torch.full((8, 8), 3.0))
-    assert stable.grad.data_ptr() == chunk.host_grad.data_ptr()
+    assert stable.grad.data_ptr() == chunk.grad.data_ptr()
     loads = m.stats.loads
     with m.running(plan([0, 1, 2])):  # paged like any other: loaded from its host home
         assert torch.equal(m.fetch(0)["p0"], torch.full((8, 8), 5.0))

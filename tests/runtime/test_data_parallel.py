@@ -253,8 +253,9 @@ def train(name: str, rank: int, world: int, serial: bool = False, *,
         "staging": groups.peak_staging_bytes if groups is not None else 0,
         "chunk_bytes": engine.chunks.layout.chunk_bytes,
         "host_bytes": sum(
-            c.host.nbytes + (c.master.nbytes if c.master is not None else 0)
+            c.payload.nbytes + (c.master.nbytes if c.master is not None else 0)
             for c in engine.chunks.chunks
+            if not c.kept  # homes on the host tier
         ),
         "remote": sum(c.remote for c in engine.chunks.chunks),
         "plans_from_rank_0": groups.plans_from_rank_0 if groups is not None else 0,
@@ -264,7 +265,7 @@ def train(name: str, rank: int, world: int, serial: bool = False, *,
         "kept": len(getattr(engine.optimizer, "device_chunks", ())),
         "arena": (
             list(engine.chunks.reserved),
-            [c.offset for c in engine.chunks.chunks if c.fixed],
+            [c.offset for c in engine.chunks.chunks if c.kept],
         ),  # fmt: skip
         "host_embeddings": list(getattr(engine.program.decisions.cpu_embedding, "host", [])),
         "moments": sum(

@@ -68,8 +68,8 @@ def test_the_same_training_bit_for_bit(kind, precision, micro_batches, extra):
     _, other_losses, other_params = run(kind, False, **options)
     assert all(torch.equal(a, b) for a, b in zip(losses, other_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(params, other_params, strict=True))
-    chunks = [c for c in shared.chunks.chunks if c.host_grad is not None and not c.fixed]
-    assert chunks and all(c.host_grad.data_ptr() == c.host.data_ptr() for c in chunks)
+    chunks = [c for c in shared.chunks.chunks if c.grad is not None and not c.kept]
+    assert chunks and all(c.grad.data_ptr() == c.payload.data_ptr() for c in chunks)
     if not hybrid:
         assert shared.chunks.stats.evictions > 0
     if micro_batches > 1:
@@ -85,11 +85,10 @@ def test_the_host_holds_no_gradient_buffer_of_its_own():
     for grads_in_host in (True, False):
         plan = Plan(precision="bf16", device_memory=budget("gpt", 0.4), grads_in_host=grads_in_host)
         engine = compile(tiny_gpt(), plan, **example("gpt", *tokens()))
-        storages = {c.host.untyped_storage().data_ptr(): c.host.untyped_storage().nbytes()
+        storages = {c.payload.untyped_storage().data_ptr(): c.payload.untyped_storage().nbytes()
                     for c in engine.chunks.chunks}  # fmt: skip
-        storages.update({c.host_grad.untyped_storage().data_ptr():
-                         c.host_grad.untyped_storage().nbytes()
-                         for c in engine.chunks.chunks if c.host_grad is not None})  # fmt: skip
+        storages.update({c.grad.untyped_storage().data_ptr(): c.grad.untyped_storage().nbytes()
+                         for c in engine.chunks.chunks if c.grad is not None})  # fmt: skip
         sizes[grads_in_host] = sum(storages.values())
     params = sum(p.numel() for p in tiny_gpt().parameters())
     assert sizes[False] - sizes[True] >= 2 * params  # the bf16 gradients' bytes

@@ -55,9 +55,9 @@ def train_steps(engine, steps: int) -> list[torch.Tensor]:
 def assert_split_between_tiers(engine) -> None:
     """HybridAdam kept some chunks on the compute tier, and left some on the host."""
     kept = engine.optimizer.device_chunks
-    trainable = [c for c in engine.chunks.chunks if c.host_grad is not None]
+    trainable = [c for c in engine.chunks.chunks if c.grad is not None]
     assert 0 < len(kept) < len(trainable), (kept, len(trainable))
-    assert all(engine.chunks.chunks[i].fixed for i in kept)
+    assert all(engine.chunks.chunks[i].kept for i in kept)
     assert "kept on the compute tier with their optimizer state" in engine.report()
 
 
@@ -214,8 +214,8 @@ def test_kept_chunks_never_have_host_moments(precision):
     before = _C.host_bytes_in_use()
     assert engine.step()  # the first training step chooses the device half, then updates
     kept = [engine.chunks.chunks[i] for i in engine.optimizer.device_chunks]
-    assert kept and all(chunk.fixed for chunk in kept)
-    on_host = [c for c in engine.chunks.chunks if c.host_grad is not None and not c.fixed]
+    assert kept and all(chunk.kept for chunk in kept)
+    on_host = [c for c in engine.chunks.chunks if c.grad is not None and not c.kept]
     assert on_host and _C.host_bytes_in_use() - before == sum(8 * c.used for c in on_host)
     # the host homes they left (payload, master, gradient buffer) give their pages back
     released = engine.chunks.reservations.released_bytes
@@ -236,7 +236,7 @@ def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
     assert engine.scaler.scale == 256.0
     before = [p.detach().clone() for p in engine.parameters()]
     engine(ids, targets).backward()
-    engine.chunks.chunks[0].host_grad[3] = float("inf")  # a planted overflow
+    engine.chunks.chunks[0].grad[3] = float("inf")  # a planted overflow
     assert not engine.step()
     assert engine.scaler.scale == 128.0 and engine.optimizer.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, engine.parameters(), strict=True))
@@ -286,7 +286,7 @@ def test_a_chunk_that_cannot_be_kept_stays_on_the_host_and_gives_its_room_back(m
     def fragmented(chunk_id, **options):
         raise MemoryError("the arena is fragmented")
 
-    monkeypatch.setattr(manager, "fix", fragmented)
+    monkeypatch.setattr(manager.step_chunks, "keep", fragmented)
     engine(*tokens()).backward()
     assert engine.step()
     assert engine.optimizer.device_chunks == [] and manager.reserved == []
@@ -349,7 +349,7 @@ def _bf16_runs(factory, drive, kind: str = "gpt") -> dict:
 
 def _assert_bitwise(runs: dict) -> None:
     (kept, kept_losses, kept_params), (_, host_losses, host_params) = runs[True], runs[False]
-    trainable = [c for c in kept.chunks.chunks if c.host_grad is not None]
+    trainable = [c for c in kept.chunks.chunks if c.grad is not None]
     assert sorted(kept.optimizer.device_chunks) == [c.id for c in trainable]
     assert kept_losses == host_losses
     assert all(torch.equal(p, q) for p, q in zip(kept_params, host_params, strict=True))
@@ -377,7 +377,7 @@ def test_kept_bf16_chunks_take_their_gradient_in_the_payload_room(kind):
     manager, n = engine.chunks, engine.chunks.layout.chunk_size
     for chunk_id in engine.optimizer.device_chunks:
         chunk = manager.chunks[chunk_id]
-        assert chunk.host_grad.data_ptr() == manager.chunk_view(chunk).data_ptr()
+        assert chunk.grad.data_ptr() == manager.chunk_view(chunk).data_ptr()
     rounded = manager.arena.allocator.round_up
     per_chunk = rounded(8 * n) + rounded(4 * n)  # moments, master: no gradient block
     assert manager.reserved_bytes() == len(engine.optimizer.device_chunks) * per_chunk
@@ -453,7 +453,7 @@ def test_kept_chunks_a_longer_batch_has_no_room_for_go_back_and_train_like_adamw
     assert kept[2:] == [later] * 3  # given back for good: no churn between the shapes
     room = engine.prepare(*tokens(seq=24)).decisions.chunk_plan.kept_room()
     assert engine.chunks.kept_bytes() <= room
-    assert [c.id for c in engine.chunks.chunks if c.fixed] == sorted(later)
+    assert [c.id for c in engine.chunks.chunks if c.kept] == sorted(later)
     eager.load_state_dict(engine.state_dict())  # the given-back chunks' values included
     assert_params_match(eager, engine)
 

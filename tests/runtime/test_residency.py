@@ -41,7 +41,7 @@ def grouped(chunks: int, groups_resident: int, prefetch: bool = False
     m = ChunkManager(layout, params, budget=budget, arena_capacity=budget)
     owners = Gathers()
     residency = Residency(
-        layout, m.chunks, m.stable, arena=m.arena, reserved=m.reservations.blocks,
+        layout, m.chunks, m.stable, compute=m.compute,
         stats=m.stats, tracer=m.tracer, budget=budget, static_share=None, mem_cache=0,
         prefetch=prefetch, copy_stream=None, owners=owners, load_unit=GROUP,
     )  # fmt: skip
@@ -92,7 +92,7 @@ def test_a_member_in_use_keeps_its_group():
     residency, owners = grouped(6, groups_resident=2)
     start(residency, [0, 2, 4, 3, 1])
     residency.access(0, "forward")
-    residency.chunks[0].pins = 1  # still in use at 4: its group stays although used last
+    residency.chunks[0].pin()  # still in use at 4: its group stays although used last
     residency.access(2, "forward")
     done(residency, 2)
     residency.access(4, "forward")
@@ -103,8 +103,8 @@ def test_a_changed_group_with_a_member_in_use_is_an_error_not_a_stale_read():
     residency, _ = grouped(4, groups_resident=2)
     start(residency, [0, 1])
     residency.access(0, "forward")
-    residency.chunks[0].pins = 1
-    residency.chunks[1].host_version += 1  # an optimizer wrote chunk 1's home
+    residency.chunks[0].pin()
+    residency.chunks[1].host_changed()  # an optimizer wrote chunk 1's home
     with pytest.raises(RuntimeError, match="chunk 1 changed while chunks \\[0\\]"):
         residency.access(1, "forward")
 

@@ -1,0 +1,122 @@
+"""The tiers a chunk's parts live on, each an object that holds its own memory.
+
+A chunk's home (its payload, its gradient buffer, its fp32 master: runtime/chunk.py's Home)
+lies on one tier. The host tier allocates homes (page-locked where a copy stream reads them)
+and gives the pages of a home no longer read back to the system. The compute tier is one arena
+of `device_memory` bytes: the blocks residency loads chunks into, tensors viewing them, and the
+blocks kept there for good beside the chunks (HybridAdam's device half: moments, gradients,
+masters). A tier below the host (a disk) is another subclass of Tier, not new fields on the
+chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from fxstar.runtime.arena import ArenaBuffer
+from fxstar.runtime.host import host_empty, release_pages
+from fxstar.runtime.layout import ParamSlot
+
+__all__ = ["ComputeTier", "HostTier", "Tier"]
+
+
+class Tier:
+    """Where a chunk's home may lie; `name` keys the moves a home may make (chunk.HOME_MOVES)."""
+
+    name: ClassVar[str]
+
+
+class HostTier(Tier):
+    """Ordinary memory: every chunk's home until the compute tier keeps it for good."""
+
+    name = "host"
+
+    def __init__(self, *, pin: bool):
+        self.pin = pin  # payloads page-locked: a copy stream reads them asynchronously
+
+    def empty(self, numel: int, dtype: torch.dtype, *, payload: bool = True) -> torch.Tensor:
+        """`numel` zeroed elements; a payload or gradient page-locked where the tier pins,
+        a master or moments never (only the CPU Adam reads them)."""
+        nbytes = numel * dtype.itemsize
+        return host_empty(nbytes, zero=True, pin=self.pin and payload).view(dtype)
+
+    @staticmethod
+    def give_back(tensors: Sequence[torch.Tensor | None]) -> int:
+        """Return the pages of tensors no one reads again to the system; the bytes given."""
+        return sum(release_pages(t) for t in tensors if t is not None)
+
+
+class ComputeTier(Tier):
+    """The arena: blocks chunks are loaded into, and blocks kept for good beside them."""
+
+    name = "compute"
+
+    def __init__(self, arena: ArenaBuffer, dtype: torch.dtype):
+        self.arena = arena
+        self.device = arena.device
+        self.dtype = dtype  # the chunks' elements
+        self.elements = arena.buffer.view(dtype)
+        self.reserved: list[int] = []  # offsets of the blocks kept beside the chunks, in order
+
+    # -- blocks kept for good -------------------------------------------------------------------
+
+    def reserved_bytes(self) -> int:
+        return sum(self.arena.allocator.block_size(offset) for offset in self.reserved)
+
+    def reserve(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new zeroed block kept beside the chunks; ArenaOutOfMemory when none is that large."""
+        offset = self.arena.alloc(nbytes)
+        self.reserved.append(offset)
+        block = self.arena.buffer[offset : offset + nbytes]
+        block.zero_()
+        return block.view(dtype)
+
+    def unreserve(self, count: int) -> None:
+        """Free the last `count` blocks reserved."""
+        for _ in range(count):
+            self.arena.free(self.reserved.pop())
+
+    def block_size(self, block: torch.Tensor) -> int:
+        """Bytes the arena gave the reserved block `block` starts."""
+        return self.arena.allocator.block_size(block.data_ptr() - self.arena.buffer.data_ptr())
+
+    def free(self, block: torch.Tensor) -> None:
+        """Free the reserved block `block` starts."""
+        offset = block.data_ptr() - self.arena.buffer.data_ptr()
+        self.reserved.remove(offset)
+        self.arena.free(offset)
+
+    # -- tensors viewing the arena --------------------------------------------------------------
+
+    def arena_ptr(self) -> int:
+        return self.arena.buffer.untyped_storage().data_ptr()
+
+    def view(
+        self,
+        block: int,
+        offset: int,
+        shape: Sequence[int],
+        stride: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Elements from `offset` (elements) on of the chunk loaded at byte `block`."""
+        base = block // self.dtype.itemsize + offset
+        if stride is None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            return self.elements[base : base + numel].view(shape)
+        return self.elements.as_strided(shape, stride, base)
+
+    def leaf(self, block: int, slot: ParamSlot) -> torch.Tensor:
+        """A parameter's values in the arena as a tensor of its own: not an autograd view of
+        the arena buffer (views of a view would route their gradient to the buffer, not to
+        this leaf), and with a version counter of its own (`detach` would share the buffer's,
+        which every chunk load bumps: a custom Function handing the parameter on as-is would
+        then see its input "modified in place")."""
+        leaf = torch.empty(0, dtype=self.dtype, device=self.device)
+        base = block // self.dtype.itemsize + slot.offset
+        stride = torch.empty(slot.shape, device="meta").stride()
+        return leaf.set_(self.elements.untyped_storage(), base, slot.shape, stride)
