@@ -27,7 +27,7 @@ import torch.distributed as dist
 from fxstar.errors import PlanError
 from fxstar.mesh import MeshLayout
 from fxstar.runtime import agreement
-from fxstar.runtime.tp_group import TPGroup, new_group, release_group
+from fxstar.runtime.rank_group import RankGroup, new_group, release_group
 
 if TYPE_CHECKING:
     from fxstar.program import Program
@@ -50,7 +50,7 @@ class Topology:
     def __init__(self, plan: Any, world: int | None = None):
         self.plan = plan
         self.world = _world() if world is None else world  # the default group's ranks
-        self._groups: dict[str, TPGroup] = {}
+        self._groups: dict[str, RankGroup] = {}
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -125,17 +125,17 @@ class Topology:
     # -- process groups -------------------------------------------------------------------------
 
     @property
-    def tensor_group(self) -> TPGroup | None:
+    def tensor_group(self) -> RankGroup | None:
         """This rank's tensor-parallel group, once made."""
         return self._groups.get(TENSOR)
 
     @property
-    def data_group(self) -> TPGroup | None:
+    def data_group(self) -> RankGroup | None:
         """This rank's data-parallel group, once made."""
         return self._groups.get(DATA)
 
     @property
-    def whole_group(self) -> TPGroup | None:
+    def whole_group(self) -> RankGroup | None:
         """The group over every rank of the engine's model: the mesh's, else the tensor- or the
         data-parallel one (one of them spans the world)."""
         for name in (MESH, TENSOR, DATA):
@@ -143,7 +143,7 @@ class Topology:
                 return self._groups[name]
         return None
 
-    def groups(self) -> dict[str, TPGroup]:
+    def groups(self) -> dict[str, RankGroup]:
         """The groups made, by name."""
         return dict(self._groups)
 

@@ -27,7 +27,7 @@ from fxstar.passes.tp_sharding import LinearSite, Sharding, TPShardingError
 from fxstar.program import Program
 from fxstar.runtime import rng_tracker, tp_ops
 from fxstar.runtime import vocab_parallel as vp
-from fxstar.runtime.tp_group import ATTR, TPGroup, process_group
+from fxstar.runtime.rank_group import ATTR, RankGroup, process_group
 
 __all__ = ["TensorParallel", "shard_of", "unshard"]
 
@@ -44,7 +44,7 @@ def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
     return torch.cat(pieces, dim + 1).flatten(dim, dim + 1)
 
 
-def _consolidate(dim: int, parts: int, group: TPGroup):
+def _consolidate(dim: int, parts: int, group: RankGroup):
     def glue(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         (shard,) = tensors.values()
         return unshard(tp_ops.gather_shards(shard.detach(), group), dim, parts)
@@ -52,7 +52,7 @@ def _consolidate(dim: int, parts: int, group: TPGroup):
     return glue
 
 
-def _group_node(gm: fx.GraphModule, group: TPGroup) -> fx.Node:
+def _group_node(gm: fx.GraphModule, group: RankGroup) -> fx.Node:
     """The graph's get_attr of the group its collectives run on, added as its submodule."""
     gm.add_submodule(ATTR, group)
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fxstar.errors import RankMismatchError
-from fxstar.runtime.tp_group import TPGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, process_group
 
 __all__ = ["RankMismatchError", "agree", "fingerprint", "mismatch_message"]
 
@@ -198,7 +198,7 @@ def mismatch_message(prints: Sequence[Mapping], texts: Sequence[str] | None = No
 # -- agreeing -------------------------------------------------------------------------------------
 
 
-def _all_gather(obj: Any, group: TPGroup | None, purpose: str) -> list[Any]:
+def _all_gather(obj: Any, group: RankGroup | None, purpose: str) -> list[Any]:
     pg = process_group(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
     with guard(f"all_gather_object ({purpose}, at compile)", group):
@@ -206,7 +206,7 @@ def _all_gather(obj: Any, group: TPGroup | None, purpose: str) -> list[Any]:
     return out
 
 
-def agree(program: Any, group: TPGroup | None, *, tensors: bool = True) -> None:
+def agree(program: Any, group: RankGroup | None, *, tensors: bool = True) -> None:
     """Compare this rank's plan, captured graph and (with `tensors`) the store's parameters
     and buffers with every other rank's over `group`; raise RankMismatchError on every rank if
     they differ. Pass tensors=True only while the store holds full, replicated values (an

@@ -1,6 +1,6 @@
 """A reusable flat buffer per purpose, handed out as views: recompute mode gathers each
 column linear's input into the same memory in forward and again in backward, one linear at a
-time, and mem_saving_comm reduces through one scratch buffer. A `TPGroup` holds its pool."""
+time, and mem_saving_comm reduces through one scratch buffer. A `RankGroup` holds its pool."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ plan: each plan a rank derives (compiled from a capture, refined from a traced s
 compared across the ranks before it is first followed, rank 0's taken where they differ
 (`agree_plan`), and a refinement takes the most bytes any rank measured (`agree_measured`).
 
-The process group is the engine's own (runtime/tp_group.new_group, with plan.dist_timeout), so a
+The process group is the engine's own (runtime/rank_group.new_group, with plan.dist_timeout), so a
 rank that stopped makes the others raise a CollectiveError naming the collective.
 """
 
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.tp_group import TPGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, process_group
 
 if TYPE_CHECKING:
     from fxstar.runtime.chunk import Chunk
@@ -59,7 +59,7 @@ class ChunkGroups:
     """Which chunks this rank owns, and the collectives that keep the replicas one model."""
 
     def __init__(
-        self, size: int, group: TPGroup, *, mem_saving: bool = False, sharded: bool = False
+        self, size: int, group: RankGroup, *, mem_saving: bool = False, sharded: bool = False
     ):
         self.group = group
         # ZeRO-3: a rank holds its own chunks' homes only; the others come from their owner

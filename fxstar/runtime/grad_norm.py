@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime import tp_group as tp
+from fxstar.runtime import rank_group
 
 __all__ = ["GradNorm"]
 
@@ -28,9 +28,9 @@ class GradNorm:
 
     def __init__(
         self,
-        tensor_parallel: tp.TPGroup | None = None,
+        tensor_parallel: rank_group.RankGroup | None = None,
         sharded: Iterable[torch.Tensor] = (),
-        data_parallel: tp.TPGroup | None = None,
+        data_parallel: rank_group.RankGroup | None = None,
     ):
         self.tensor_parallel = tensor_parallel
         # the parameters split across the tensor-parallel ranks (the engine's own tensors)
@@ -49,14 +49,14 @@ class GradNorm:
         stats = torch.tensor([shard_sq, replicated_sq, 0.0 if finite else 1.0],
                              dtype=torch.float64)  # fmt: skip
         if self.data_parallel is not None:  # the ranks' own chunks partition the model
-            with tp.guard("summing the gradient norm and overflow (data parallel)",
+            with rank_group.guard("summing the gradient norm and overflow (data parallel)",
                           self.data_parallel):  # fmt: skip
-                dist.all_reduce(stats, group=tp.process_group(self.data_parallel))
+                dist.all_reduce(stats, group=rank_group.process_group(self.data_parallel))
         if self.tensor_parallel is not None:
             partial = stats[[0, 2]].clone()  # the replicated part is the same on every rank
-            with tp.guard("summing the gradient norm and overflow (tensor parallel)",
+            with rank_group.guard("summing the gradient norm and overflow (tensor parallel)",
                           self.tensor_parallel):  # fmt: skip
-                dist.all_reduce(partial, group=tp.process_group(self.tensor_parallel))
+                dist.all_reduce(partial, group=rank_group.process_group(self.tensor_parallel))
             stats[0], stats[2] = partial[0], partial[1]
         total = float(stats[0] + stats[1])
         return total, bool(stats[2] == 0) and math.isfinite(total)

@@ -1,7 +1,7 @@
 """One rank's random stream for tensor parallelism: its generator states, swapped into the
 default generators while a sharded op runs (Megatron's RNG tracker keeps one per rank).
 
-A module of its own below the process group (`tp_group.TPGroup.stream` holds one) and the
+A module of its own below the process group (`rank_group.RankGroup.stream` holds one) and the
 graph-node functions that draw from it (runtime/rng_tracker.py)."""
 
 from __future__ import annotations

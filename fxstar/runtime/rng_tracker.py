@@ -13,7 +13,7 @@ positions of rank 0's heads and rank 1's, so the run is not statistically a seri
   parallelism, at the price of drawing N times the block's numbers;
 - everywhere else ops draw from the default generator unchanged: the same on every rank.
 
-A tracker belongs to an engine's process group and is held by it (`TPGroup.stream`, which the
+A tracker belongs to an engine's process group and is held by it (`RankGroup.stream`, which the
 graph holds: no registry), its seed is rank 0's initial seed plus 2718 plus the rank
 (Megatron's offset), and its state is saved with checkpoints (`fxstar/saving/rng.py`) and
 replayed when a checkpointed region recomputes (`fxstar/runtime/recompute.py`), so a resume
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxstar.runtime.rank_group import RankGroup, guard, process_group
 from fxstar.runtime.rank_stream import RankStream
-from fxstar.runtime.tp_group import TPGroup, guard, process_group
 from fxstar.runtime.tp_ops import full_shape, own_tokens
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
 SEED_OFFSET = 2718  # Megatron's model-parallel seed offset
 
 
-def new_stream(group: TPGroup) -> RankStream:
+def new_stream(group: RankGroup) -> RankStream:
     """The tracker of `group`, made once and held by it (collective: rank 0's initial seed is
     sent to every rank, so ranks seeded differently still get streams that differ only by
     rank)."""
@@ -64,12 +64,12 @@ def new_stream(group: TPGroup) -> RankStream:
     return group.stream
 
 
-def new_stream_needed(group: TPGroup) -> bool:
+def new_stream_needed(group: RankGroup) -> bool:
     """True until `new_stream(group)` ran: the same on every rank, so they call it together."""
     return group.stream is None
 
 
-def stream(group: TPGroup | None) -> RankStream:
+def stream(group: RankGroup | None) -> RankStream:
     """The tracker of the group a graph node names."""
     if group is None or group.stream is None:
         raise RuntimeError(
@@ -81,7 +81,7 @@ def stream(group: TPGroup | None) -> RankStream:
 
 def streams_of(module: torch.nn.Module) -> list[RankStream]:
     """The trackers of the process groups `module` (a graph, a region) holds."""
-    return [m.stream for m in module.modules() if isinstance(m, TPGroup) and m.stream]
+    return [m.stream for m in module.modules() if isinstance(m, RankGroup) and m.stream]
 
 
 @contextlib.contextmanager
@@ -114,19 +114,19 @@ def replaying(states: list[tuple[RankStream, dict[str, Any]]]) -> Iterator[None]
             s.load_state_dict(state)
 
 
-def rank_dropout(x: torch.Tensor, p: float, train: bool, *, group: TPGroup | None = None):
+def rank_dropout(x: torch.Tensor, p: float, train: bool, *, group: RankGroup | None = None):
     """aten.dropout on a tensor split across ranks: this rank's own mask."""
     with stream(group).fork(x.device):
         return torch.ops.aten.dropout.default(x, p, train)
 
 
-def rank_attention(*args: Any, group: TPGroup | None = None, **kwargs: Any) -> torch.Tensor:
+def rank_attention(*args: Any, group: RankGroup | None = None, **kwargs: Any) -> torch.Tensor:
     """aten.scaled_dot_product_attention (with dropout) over heads split across ranks."""
     with stream(group).fork(args[0].device):
         return torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs)
 
 
-def seq_dropout(x: torch.Tensor, p: float, train: bool, *, group: TPGroup | None = None):
+def seq_dropout(x: torch.Tensor, p: float, train: bool, *, group: RankGroup | None = None):
     """aten.dropout on this rank's token block (sequence parallel) with every token's mask
     from the shared stream: every rank draws it, each keeps its block. The mask is the one
     aten.dropout draws on the whole tensor (bernoulli_(1 - p) noise scaled by 1/(1 - p)), so

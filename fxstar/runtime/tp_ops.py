@@ -26,8 +26,8 @@ each rank's block is broadcast into one block-sized buffer and used at once, and
 partial sum is made one block at a time and reduced to its rank, so a linear's
 communication buffers are two blocks, not an N-block gather.
 
-Process groups: an engine runs its collectives on a group of its own, a `TPGroup` the graph
-holds (`runtime/tp_group.py`: its timeout makes a stopped peer a `CollectiveError`, not a
+Process groups: an engine runs its collectives on a group of its own, a `RankGroup` the graph
+holds (`runtime/rank_group.py`: its timeout makes a stopped peer a `CollectiveError`, not a
 hang); graph nodes pass it as `group=` (a `get_attr` of the graph). `group=None` is torch's
 default group.
 """
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from fxstar.runtime.buffer_pool import BufferPool
-from fxstar.runtime.tp_group import TPGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, process_group
 
 __all__ = [
     "Collectives",
@@ -67,7 +67,7 @@ SEQ_DIM = -2
 class _Works:
     """Pending collectives behind one `wait()`, which names them if they fail."""
 
-    def __init__(self, works: list[Any] = (), what: str = "", group: TPGroup | None = None):
+    def __init__(self, works: list[Any] = (), what: str = "", group: RankGroup | None = None):
         self.works = [w for w in works if w is not None]
         self.what, self.group = what, group
 
@@ -79,7 +79,7 @@ class _Works:
 
 
 class Collectives:
-    """The collectives the TP ops use, over `group` (a `TPGroup`; None = torch's default
+    """The collectives the TP ops use, over `group` (a `RankGroup`; None = torch's default
     group, with buffers of its own). `rank` and `world` are the group's (a row of a 2-D mesh
     is not every rank); rooted collectives name their root by its group rank (group_src).
 
@@ -90,7 +90,7 @@ class Collectives:
     """
 
     def __init__(
-        self, mem_saving: bool = False, group: TPGroup | None = None, op: str = "",
+        self, mem_saving: bool = False, group: RankGroup | None = None, op: str = "",
         phase: str = "forward",
     ):  # fmt: skip
         self.mem_saving = mem_saving
@@ -205,7 +205,7 @@ def _reduce_scatter(x: torch.Tensor, comm: Collectives) -> torch.Tensor:
     return out
 
 
-def gather_shards(x: torch.Tensor, group: TPGroup | None = None) -> list[torch.Tensor]:
+def gather_shards(x: torch.Tensor, group: RankGroup | None = None) -> list[torch.Tensor]:
     """Every rank's `x` (same shape on all), in rank order: consolidating parameter shards."""
     comm = Collectives(group=group)
     out = [torch.empty_like(x) for _ in range(comm.world)]
@@ -292,14 +292,16 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather(grad.contiguous(), ctx.comm.in_backward()), None
 
 
-def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+def grad_all_reduce(x: torch.Tensor, *, mem_saving: bool = False, group: RankGroup | None = None):
     """Identity forward, all-reduce backward (Megatron's f): a replicated tensor read by
     rank-local work (a column linear's input; a norm weight on a sequence shard). `group` is
-    a `TPGroup` (None: the default group), as for every function here."""
+    a `RankGroup` (None: the default group), as for every function here."""
     return _GradAllReduce.apply(x, Collectives(mem_saving, group, "grad_all_reduce"))
 
 
-def all_reduce_forward(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+def all_reduce_forward(
+    x: torch.Tensor, *, mem_saving: bool = False, group: RankGroup | None = None
+):
     """All-reduce forward, identity backward (Megatron's g)."""
     return _AllReduceForward.apply(x, Collectives(mem_saving, group, "all_reduce_forward"))
 
@@ -309,7 +311,7 @@ def scatter_to_seq(
     shape: tuple[int, ...] | None = None,
     *,
     mem_saving: bool = False,
-    group: TPGroup | None = None,
+    group: RankGroup | None = None,
 ):
     """A replicated tensor -> this rank's token block; backward all-gathers the blocks. `shape`
     is the tokens' shape x broadcasts to (a [seq, hidden] position embedding added to
@@ -318,19 +320,21 @@ def scatter_to_seq(
     return _ScatterToSeq.apply(x, shape, Collectives(mem_saving, group, "scatter_to_seq"))
 
 
-def gather_from_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+def gather_from_seq(x: torch.Tensor, *, mem_saving: bool = False, group: RankGroup | None = None):
     """Token blocks -> the full tensor for replicated work; backward keeps the own block
     (every rank holds the same gradient of a replicated result)."""
     return _GatherFromSeq.apply(x, Collectives(mem_saving, group, "gather_from_seq"))
 
 
-def all_gather_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+def all_gather_seq(x: torch.Tensor, *, mem_saving: bool = False, group: RankGroup | None = None):
     """Token blocks -> the full tensor for sharded work; backward reduce-scatters (it is 2x
     wrong when what reads the result is replicated: use gather_from_seq there)."""
     return _AllGatherSeq.apply(x, Collectives(mem_saving, group, "all_gather_seq"))
 
 
-def reduce_scatter_seq(x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None):
+def reduce_scatter_seq(
+    x: torch.Tensor, *, mem_saving: bool = False, group: RankGroup | None = None
+):
     """Partial sums -> this rank's summed token block; backward all-gathers."""
     return _ReduceScatterSeq.apply(x, Collectives(mem_saving, group, "reduce_scatter_seq"))
 
@@ -558,11 +562,11 @@ def column_linear(
     recompute: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
-    group: TPGroup | None = None,
+    group: RankGroup | None = None,
 ) -> torch.Tensor:
     """x @ W_r^T + b_r for this rank's output features W_r (transposed: W_r is [in, out], the
     Conv1D layout). With sequence_parallel, x is this rank's token block [..., S/N, in] and
-    the result covers every token [..., S, out/N]. `group`: a `TPGroup`."""
+    the result covers every token [..., S, out/N]. `group`: a `RankGroup`."""
     comm = Collectives(mem_saving, group, "column_linear")
     return _ColumnLinear.apply(
         x, weight, bias, sequence_parallel, async_comm, recompute, comm, transposed
@@ -578,7 +582,7 @@ def row_linear(
     async_comm: bool = False,
     mem_saving: bool = False,
     transposed: bool = False,
-    group: TPGroup | None = None,
+    group: RankGroup | None = None,
 ) -> torch.Tensor:
     """sum over ranks of x_r @ W_r^T, plus b once. x holds this rank's input features. With
     sequence_parallel the result is this rank's token block [..., S/N, out]."""

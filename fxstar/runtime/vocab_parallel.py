@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.tp_group import TPGroup
+from fxstar.runtime.rank_group import RankGroup
 from fxstar.runtime.tp_ops import Collectives, _AllReduceForward, _ReduceScatterSeq
 
 __all__ = ["gather_from_vocab", "vocab_cross_entropy", "vocab_embedding"]
@@ -44,7 +44,7 @@ def vocab_embedding(
     *,
     sequence_parallel: bool = False,
     mem_saving: bool = False,
-    group: TPGroup | None = None,
+    group: RankGroup | None = None,
 ) -> torch.Tensor:
     """aten.embedding on this rank's rows of the vocabulary, summed over ranks (the argument
     order is aten's). An id outside the rows looks up row 0 and is zeroed; `padding_idx`
@@ -134,7 +134,7 @@ def vocab_cross_entropy(
     label_smoothing: float = 0.0,
     *,
     mem_saving: bool = False,
-    group: TPGroup | None = None,
+    group: RankGroup | None = None,
 ) -> torch.Tensor:
     """aten.cross_entropy_loss (its argument order) on logits [tokens, V/N] holding this
     rank's classes; the same value on every rank. Class weights and label smoothing are not
@@ -165,7 +165,7 @@ class _GatherFromVocab(torch.autograd.Function):
 
 
 def gather_from_vocab(
-    x: torch.Tensor, *, mem_saving: bool = False, group: TPGroup | None = None
+    x: torch.Tensor, *, mem_saving: bool = False, group: RankGroup | None = None
 ) -> torch.Tensor:
     """Vocab-sharded logits -> the full logits, for a model that returns them (what reads
     them is replicated, so backward keeps this rank's slice of the gradient)."""

@@ -1,5 +1,5 @@
 """The collectives ranks that save one checkpoint together run, on the engine's process group:
-each bounded by plan.dist_timeout and named when it fails (tp_group.guard), never a hang."""
+each bounded by plan.dist_timeout and named when it fails (rank_group.guard), never a hang."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import Any
 import torch.distributed as dist
 
 from fxstar.errors import CheckpointError
-from fxstar.runtime.tp_group import TPGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, process_group
 
 
-def rank_in(group: TPGroup | None) -> int:
+def rank_in(group: RankGroup | None) -> int:
     """This process's rank in `group` (a tensor-parallel row of a mesh starts anywhere)."""
     return dist.get_rank(process_group(group))
 
 
-def gather_to_rank_zero(group: TPGroup | None, give: Callable[[], Any]) -> list[Any]:
+def gather_to_rank_zero(group: RankGroup | None, give: Callable[[], Any]) -> list[Any]:
     """Every rank's `give()` on rank 0, in rank order (empty elsewhere). A rank whose `give`
     raised sends the error's text instead (see `checked`), so no rank waits for a part that
     never comes."""
@@ -48,7 +48,7 @@ def checked(gathered: list[Any], doing: str) -> list[Any]:
     return gathered
 
 
-def on_rank_zero(save: Callable[[], Path], group: TPGroup | None = None) -> Path:
+def on_rank_zero(save: Callable[[], Path], group: RankGroup | None = None) -> Path:
     """Run `save` on rank 0 alone; every rank returns its path, or raises if it failed, so none
     goes on before the checkpoint is whole (a barrier that carries the outcome)."""
     outcome: Any = None
@@ -67,7 +67,7 @@ def on_rank_zero(save: Callable[[], Path], group: TPGroup | None = None) -> Path
     return outcome
 
 
-def from_rank_zero(value: Any, group: TPGroup | None) -> Any:
+def from_rank_zero(value: Any, group: RankGroup | None) -> Any:
     """Rank 0's `value` on every rank (the others' is ignored)."""
     box = [value]
     with guard("broadcast_object_list (checkpoint save)", group):

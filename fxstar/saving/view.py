@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxstar.runtime.tp_group import TPGroup
+from fxstar.runtime.rank_group import RankGroup
 from fxstar.saving.collective import rank_in
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ Pairs = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 class World:
     """The ranks one model runs on, as a checkpoint counts them."""
 
-    group: TPGroup | None = None  # over every rank of the model (mesh, tensor or data parallel)
+    group: RankGroup | None = None  # over every rank of the model (mesh, tensor or data parallel)
     tensor_parallel: int = 1
     data_parallel: int = 1
 

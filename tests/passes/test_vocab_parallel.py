@@ -15,7 +15,7 @@ from fxstar.passes.shape_memory import META_KEY as MEMORY
 from fxstar.passes.tp_vocab import find_vocab
 from fxstar.runtime import rng_tracker, tp_ops
 from fxstar.runtime import vocab_parallel as vp
-from fxstar.runtime.tp_group import new_group
+from fxstar.runtime.rank_group import new_group
 
 
 def _logits_bytes(engine) -> int:

@@ -17,7 +17,7 @@ from fxstar.dist_launch import spawn
 from fxstar.errors import CollectiveError
 from fxstar.plan import Plan, PlanError
 from fxstar.runtime.agreement import RankMismatchError, fingerprint, mismatch_message
-from fxstar.runtime.tp_group import guard
+from fxstar.runtime.rank_group import guard
 
 TIMEOUT = 5.0  # seconds, the spawned ranks' plan.dist_timeout
 

@@ -5,11 +5,11 @@ it was, the rank streams of the graph's process groups included."""
 import torch
 
 from fxstar.runtime import rng_tracker
-from fxstar.runtime.tp_group import TPGroup
+from fxstar.runtime.rank_group import RankGroup
 
 
 def _graph_with_stream(seed: int) -> tuple[torch.nn.Module, rng_tracker.RankStream]:
-    group = TPGroup(None, None)  # no process group: only its stream is used here
+    group = RankGroup(None, None)  # no process group: only its stream is used here
     group.stream = rng_tracker.RankStream(seed)
     graph = torch.nn.Module()
     graph.region = torch.nn.Module()

@@ -1,9 +1,10 @@
-"""The process group a tensor-parallel graph's collectives run on, as an object the graph
-holds (a `get_attr` submodule, as `ops.ChunkRuntime` for chunks), with what belongs to it:
-its timeout, this rank's RNG stream (`rng_tracker`) and the buffers recompute mode re-gathers
-into. Why an object and not a registry: a graph that holds its runtime can be dumped, copied
-and run next to another engine's without either reaching the other's state, and nothing
-outlives the engine in module globals.
+"""RankGroup: one of an engine's process groups (tensor-parallel, data-parallel or the whole
+mesh: fxstar/topology.py) as an object, with what belongs to it: its timeout, the step check
+of its collectives, this rank's RNG stream (`rng_tracker`) and the buffers recompute mode
+re-gathers into. A tensor-parallel graph holds its group (a `get_attr` submodule, as
+`ops.ChunkRuntime` for chunks). Why an object and not a registry: a graph that holds its
+runtime can be dumped, copied and run next to another engine's without either reaching the
+other's state, and nothing outlives the engine in module globals.
 
 Under a 2-D mesh (fxstar/mesh.py) a group spans only some ranks: a group rank is then not a
 global rank, so rooted collectives name their root by its group rank (torch's `group_src`,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from fxstar.runtime.rank_stream import RankStream
 
 __all__ = [
-    "TPGroup",
+    "RankGroup",
     "group_timeout",
     "guard",
     "new_group",
@@ -41,10 +42,10 @@ __all__ = [
     "release_group",
 ]
 
-ATTR = "tp_group"  # the submodule's name in a graph module (and in its regions)
+ATTR = "tp_group"  # a tensor-parallel graph's submodule holding its group (and its regions')
 
 
-class TPGroup(nn.Module):
+class RankGroup(nn.Module):
     """A process group (every rank, or this rank's row or column of a 2-D mesh) and what
     belongs to it; a graph's collectives, random ops and recomputed regions read it from the
     graph."""
@@ -61,7 +62,7 @@ class TPGroup(nn.Module):
         self.buffers = BufferPool()
         self.steps = steps  # where this rank is in the group's collectives (step_check)
 
-    def __deepcopy__(self, memo: dict) -> TPGroup:
+    def __deepcopy__(self, memo: dict) -> RankGroup:
         return self  # a copied graph (a kept stage) runs on the same group
 
     def release(self) -> None:
@@ -83,7 +84,7 @@ class TPGroup(nn.Module):
                         else "default group")  # fmt: skip
 
 
-def new_group(timeout: float, partition: list[list[int]] | None = None) -> TPGroup:
+def new_group(timeout: float, partition: list[list[int]] | None = None) -> RankGroup:
     """A process group whose collectives give up after `timeout` seconds: over every rank, or
     with `partition` (lists of global ranks covering the world, as `MeshLayout.tp_groups`
     gives) over the part holding this rank. Collective: every rank calls it at the same point
@@ -118,16 +119,16 @@ def new_group(timeout: float, partition: list[list[int]] | None = None) -> TPGro
             "tensor_parallel). Look for the first error in the other ranks' output; "
             f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
         ) from error
-    return TPGroup(pg, float(timeout), ranks, StepCursor(side))
+    return RankGroup(pg, float(timeout), ranks, StepCursor(side))
 
 
-def release_group(group: TPGroup | None) -> None:
+def release_group(group: RankGroup | None) -> None:
     """Destroy `group`'s process group; None is ignored."""
     if group is not None:
         group.release()
 
 
-def process_group(group: TPGroup | None) -> Any:
+def process_group(group: RankGroup | None) -> Any:
     """The ProcessGroup behind `group`; None stays None (torch's default group)."""
     if group is None:
         return None
@@ -139,7 +140,7 @@ def process_group(group: TPGroup | None) -> Any:
     return group.pg
 
 
-def group_timeout(group: TPGroup | None) -> float | None:
+def group_timeout(group: RankGroup | None) -> float | None:
     """Seconds the collectives of `group` wait; None for the default group (torch's)."""
     return None if group is None else group.timeout
 
@@ -157,7 +158,7 @@ def _lost_peer(error: BaseException) -> bool:
     return any(sign in text for sign in _LOST_PEER)
 
 
-def _lost_peer_message(what: str, group: TPGroup | None, error: BaseException) -> str:
+def _lost_peer_message(what: str, group: RankGroup | None, error: BaseException) -> str:
     rank = dist.get_rank() if dist.is_initialized() else "?"
     world = dist.get_world_size() if dist.is_initialized() else "?"
     timeout = group_timeout(group)
@@ -182,7 +183,7 @@ def _lost_peer_message(what: str, group: TPGroup | None, error: BaseException) -
 
 
 @contextlib.contextmanager
-def guard(what: str, group: TPGroup | None = None, *, wait: bool = False) -> Iterator[None]:
+def guard(what: str, group: RankGroup | None = None, *, wait: bool = False) -> Iterator[None]:
     """Around the collectives `what` (a collective and its caller, the same text on every
     rank) on `group` (None: the default group): first every rank checks that the others are
     at the same collective of the same step (step_check; not for `wait`, a block that only
