@@ -3,8 +3,12 @@
 #pragma once
 #include <pybind11/pybind11.h>
 
+#include <initializer_list>
 #include <string>
 #include <utility>
+
+#include "kernels/kernels.hpp"
+#include "tensor_arg.hpp"
 
 namespace fxstar {
 
@@ -16,6 +20,20 @@ int max_threads();  // kThreadsPerCore x the hardware threads (at least 1 of the
 // At least 1 (a ValueError below); a larger request than max_threads() is clamped to it, since
 // OpenMP would try to start every thread asked for (100000 crash the process, 2**31-1 abort it).
 int checked_threads(int64_t num_threads);
+
+// The hyperparameters checked (a ValueError names the first one out of range).
+AdamHyper checked_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                        int64_t step, bool adamw, double grad_scale);
+
+// The optional low-precision copy of the updated parameter: bf16 or fp16, param's size,
+// disjoint from the state; it may be the gradient itself, otherwise disjoint from it.
+struct CopyOut {
+  TensorArg arg;
+  void* data = nullptr;
+  DType dtype = DType::bf16;
+};
+CopyOut checked_out(pybind11::handle out, const TensorArg& param, const TensorArg& grad,
+                    std::initializer_list<const TensorArg*> state);
 
 void adam_step(pybind11::handle param, pybind11::handle grad, pybind11::handle exp_avg,
                pybind11::handle exp_avg_sq, double lr, double beta1, double beta2, double eps,

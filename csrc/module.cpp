@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "adam_8bit.hpp"
 #include "arena.hpp"
 #include "cpu_adam.hpp"
 #include "disk_io_bindings.hpp"
@@ -102,12 +103,31 @@ PYBIND11_MODULE(_C, m) {
         py::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a,
         "adamw"_a, "grad_scale"_a = 1.0, "out"_a = py::none(), "num_threads"_a,
         "variant"_a = "",
-        "One Adam/AdamW update in a single pass over memory, in place on param, exp_avg and "
-        "exp_avg_sq (fp32). grad may be fp32, bf16 or fp16 and is multiplied by grad_scale "
+        "One Adam/AdamW update in a single pass over memory, in place on param (fp32), exp_avg and "
+        "exp_avg_sq (both fp32, or both bf16: computed in fp32, stored rounded to nearest even). "
+        "grad may be fp32, bf16 or fp16 and is multiplied by grad_scale "
         "first; out (bf16/fp16), if given, receives the updated parameter (out may be grad itself: "
         "it is overwritten). Hyperparameters must be "
         "finite as float32, eps at least float32's smallest normal; num_threads >= 1, clamped to "
         "max_threads().");
+  m.def("adam_step_8bit", &fxstar::adam_step_8bit, "param"_a, "grad"_a, "exp_avg_codes"_a,
+        "exp_avg_absmax"_a, "exp_avg_sq_codes"_a, "exp_avg_sq_absmax"_a, py::kw_only(), "lr"_a,
+        "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "adamw"_a,
+        "grad_scale"_a = 1.0, "out"_a = py::none(), "num_threads"_a, "variant"_a = "",
+        "adam_step with both moments 8-bit blockwise-quantised (bitsandbytes' dynamic map, "
+        "QUANT_BLOCK values per fp32 absmax): each block is dequantised, updated in fp32 as "
+        "adam_step updates, and requantised to the nearest code under its new absmax. codes are "
+        "uint8 of param's size, absmax fp32 of ceil(numel / QUANT_BLOCK); all zeros is a zero "
+        "moment. grad, grad_scale and out as adam_step.");
+  m.def("quantize_moment", &fxstar::quantize_moment, "values"_a, "codes"_a, "absmax"_a,
+        py::kw_only(), "signed"_a,
+        "codes, absmax <- fp32 values quantised blockwise (signed=True for a first moment, "
+        "False for a second, which must not be negative).");
+  m.def("dequantize_moment", &fxstar::dequantize_moment, "codes"_a, "absmax"_a, "out"_a,
+        py::kw_only(), "signed"_a, "out (fp32) <- the code's map value x its block's absmax.");
+  m.def("quantization_map", &fxstar::quantization_map, py::kw_only(), "signed"_a,
+        "The 256 values (ascending, in [-1, 1] or [0, 1]) an 8-bit moment code stands for.");
+  m.attr("QUANT_BLOCK") = fxstar::kQuantBlock;
   m.def("grad_stats", &fxstar::grad_stats, "grad"_a, py::kw_only(), "num_threads"_a,
         "variant"_a = "",
         "(sum of squares, all finite) of a gradient buffer in one read.");

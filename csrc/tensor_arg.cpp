@@ -136,6 +136,7 @@ ByteBuffer byte_buffer_arg(py::handle obj, const char* name) {
   ByteBuffer arg;
   arg.name = name;
   arg.nbytes = static_cast<uint64_t>(numel_of(t)) * (bits / 8);
+  arg.dtype = describe_dtype(t.dtype);
   arg.data = static_cast<char*>(t.data) + t.byte_offset;
   if (arg.nbytes > 0 && arg.data == nullptr) value_error(std::string(name) + ": has no data");
   arg.keepalive = std::move(capsule);

@@ -29,6 +29,7 @@ struct ByteBuffer {
   std::string name;
   char* data = nullptr;
   uint64_t nbytes = 0;
+  std::string dtype;           // as DLPack describes it: "uint8", "float32", ...
   pybind11::object keepalive;  // as TensorArg's
 };
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../dtype.hpp"
+#include "quant_map.hpp"
 
 namespace fxstar {
 
@@ -24,9 +25,25 @@ struct AdamBuffers {
   float* param;
   const void* grad;
   DType grad_dtype;
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* out;  // optional low-precision copy of the updated parameter
+  void* exp_avg;
+  void* exp_avg_sq;
+  DType moment_dtype;  // float32, or bfloat16 (computed in float32, stored rounded to nearest)
+  void* out;           // optional low-precision copy of the updated parameter
+  DType out_dtype;
+  int64_t numel;
+};
+
+// Both moments 8-bit blockwise-quantised (quant_map.hpp): a code byte per element and an fp32
+// absmax per kQuantBlock elements each.
+struct Adam8bitBuffers {
+  float* param;
+  const void* grad;
+  DType grad_dtype;
+  uint8_t* exp_avg_codes;
+  float* exp_avg_absmax;
+  uint8_t* exp_avg_sq_codes;
+  float* exp_avg_sq_absmax;
+  void* out;
   DType out_dtype;
   int64_t numel;
 };
@@ -39,6 +56,7 @@ struct GradStats {
 struct KernelTable {
   const char* name;
   void (*adam)(const AdamHyper&, const AdamBuffers&, int threads);
+  void (*adam_8bit)(const AdamHyper&, const Adam8bitBuffers&, int threads);
   GradStats (*grad_stats)(const void* grad, DType dtype, int64_t numel, int threads);
   // Adam's exact memory traffic (read p, g, m, v; write p, m, v) with trivial arithmetic: the
   // roofline the Adam kernel is measured against.
