@@ -107,7 +107,7 @@ def test_a_save_during_another_threads_step_waits_for_it(kind, tmp_path):
     step, never the step count of one with the parameters of the other."""
     ids, targets = tokens()
     engine = fxstar.compile(gpt(), PLANS[kind](), (ids, targets))
-    spy = engine._lock = LockSpy(engine._lock, "saver")
+    spy = engine.step_lock.lock = LockSpy(engine.step_lock.lock, "saver")
     optimizer = engine.optimizer
     inside, optimizer_step = threading.Event(), optimizer.step
 
@@ -146,7 +146,7 @@ def test_a_save_waits_for_the_step_another_thread_has_open(tmp_path):
     lock) a save from another thread waits until the step ends."""
     ids, targets = tokens()
     engine = fxstar.compile(gpt(), chunk_plan(), (ids, targets))
-    spy = engine._lock = LockSpy(engine._lock, "saver")
+    spy = engine.step_lock.lock = LockSpy(engine.step_lock.lock, "saver")
     opened = threading.Event()
 
     def train() -> None:

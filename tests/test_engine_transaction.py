@@ -12,8 +12,8 @@ import torch
 from conftest import activation_budget, tiny_gpt, tokens
 
 import fxstar
+from fxstar import chunk_setup, compiler, placement
 from fxstar import engine as engine_module
-from fxstar import placement
 from fxstar.errors import FxstarError, UsageError
 from fxstar.passes.chunk_schedule import ChunkSchedule
 
@@ -114,19 +114,19 @@ FAILURES = {
     "meta: no weights file": ("meta", {"device_memory": "auto"}, "no file", None),
     # injected at each later step
     "rank agreement": ("host", {"device_memory": "auto"}, None,
-                       lambda mp: mp.setattr(engine_module.Engine, "_agree_ranks", raising)),
+                       lambda mp: mp.setattr(compiler, "agree_ranks", raising)),
     "a pass": ("host", {"device_memory": "auto"}, None,
                lambda mp: mp.setattr(ChunkSchedule, "__call__", raising)),
     "after the chunks took the parameters": (
         "host", {"device_memory": "paging", "release_after_init": True}, None,
-        lambda mp: mp.setattr(engine_module.Engine, "_fill_weights", raising)),
+        lambda mp: mp.setattr(chunk_setup, "fill_weights", raising)),
     "bf16, after the chunks took the parameters": (
         "host", {"device_memory": "paging", "precision": "bf16", "release_after_init": True},
-        None, lambda mp: mp.setattr(engine_module.Engine, "_fill_weights", raising)),
+        None, lambda mp: mp.setattr(chunk_setup, "fill_weights", raising)),
     "meta: after the weights were written": ("meta", {"device_memory": "auto"}, None,
                                              fill_then_raise),
     "the last step": ("host", {"device_memory": "auto", "release_after_init": True}, None,
-                      lambda mp: mp.setattr(engine_module, "give_back_freed", raising)),
+                      lambda mp: mp.setattr(chunk_setup, "give_back_freed", raising)),
     "plain engine, a pass": ("host", {"checkpoint": "blocks"}, None,
                              lambda mp: mp.setattr(engine_module.PassManager, "run", raising)),
 }  # fmt: skip
@@ -201,7 +201,7 @@ def test_a_lazy_compile_that_raises_leaves_the_engine_able_to_compile(options, m
                        optimizer={"lr": 1e-2}, **LAZY[options])  # fmt: skip
     engine = fxstar.compile(model, plan)
     before = state_of(model)
-    monkeypatch.setattr(engine_module.Engine, "_fill_weights", raising)
+    monkeypatch.setattr(chunk_setup, "fill_weights", raising)
     with pytest.raises(Injected):
         engine(ids, targets)
     assert engine.chunks is None

@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from fxstar.runtime import rank_group
 
-__all__ = ["GradNorm"]
+__all__ = ["GradNorm", "clip_coefficient"]
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 
 
 class GradNorm:
@@ -60,3 +62,37 @@ class GradNorm:
             stats[0], stats[2] = partial[0], partial[1]
         total = float(stats[0] + stats[1])
         return total, bool(stats[2] == 0) and math.isfinite(total)
+
+    @torch.no_grad()
+    def clip_(self, params: Iterable[torch.Tensor], max_norm: float) -> None:
+        """Clip the gradients of `params` in place by the model's norm, as
+        torch.nn.utils.clip_grad_norm_ does: for a torch optimizer, whose every rank holds
+        whole (averaged) gradients of its parameters."""
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return
+        shards, replicated = self.split((p, p.grad) for p in params)
+        total, _ = self.decide(_sum_of_squares(shards), _sum_of_squares(replicated), True)
+        coefficient = clip_coefficient(max_norm, torch.tensor(total**0.5))
+        # torch's arithmetic: one multiply per device and dtype by the float32 coefficient
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in by_kind.items():
+            torch._foreach_mul_(grads, coefficient.to(device))
+
+
+def clip_coefficient(max_norm: float, norm: float | torch.Tensor) -> float | torch.Tensor:
+    """What clipping to `max_norm` multiplies every gradient by, from the model's gradient
+    norm: min(1, max_norm / (norm + 1e-6)), torch's clip_grad_norm_ rule, in the arithmetic
+    `norm` comes in. HybridAdam fuses a float one into its step's gradient scale; a torch
+    optimizer's gradients are multiplied by a tensor one (GradNorm.clip_), as torch does."""
+    coefficient = max_norm / (norm + CLIP_EPS)
+    if isinstance(coefficient, torch.Tensor):
+        return torch.clamp(coefficient, max=1.0)
+    return min(1.0, coefficient)
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> float:
+    """The gradients' sum of squares, each in float64."""
+    return sum(float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in grads)

@@ -36,7 +36,7 @@ import torch
 
 from fxstar.runtime import cpu_adam
 from fxstar.runtime.chunk import Chunk, ChunkBudgetError
-from fxstar.runtime.grad_norm import GradNorm
+from fxstar.runtime.grad_norm import GradNorm, clip_coefficient
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
@@ -291,7 +291,7 @@ class HybridAdam(torch.optim.Optimizer):
             grad_scale = 1.0 / scale
             self.last_grad_norm = math.sqrt(sum_sq) / scale
             if self.clip_grad_norm is not None:
-                grad_scale *= min(1.0, self.clip_grad_norm / (self.last_grad_norm + 1e-6))
+                grad_scale *= clip_coefficient(self.clip_grad_norm, self.last_grad_norm)
         touched = set()
         for (params, group, span, _), grad in zip(runs, grads, strict=True):
             if span is None:  # a parameter outside the chunks
