@@ -4,6 +4,8 @@ Every chunk has a home on the host tier (the master copy of its parameters, and 
 buffer laid out the same way). The compute tier is one arena of `device_memory` bytes (a cuda
 tensor where there is a GPU, a CPU buffer elsewhere); a chunk is copied into it when the graph
 or autograd needs its parameters and dropped when something needed sooner wants the room.
+Every copy between the tiers is ordered by the compute Device's streams and events
+(runtime/device.py: the card's, the host's, or the simulated device's the tests run on).
 Nothing is decided by hooks at run time that the compiler could decide: the order of accesses
 (forward, then backward as autograd will need the chunks) comes from the chunk_schedule pass,
 and eviction is Belady's: drop the resident chunk whose next use is farthest away.
@@ -39,6 +41,7 @@ from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState, Home
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.data_parallel import ChunkGroups
+from fxstar.runtime.device import Device, device_for
 from fxstar.runtime.grad_copies import GradAccumulator
 from fxstar.runtime.grad_shards import GradShards
 from fxstar.runtime.layout import (
@@ -100,7 +103,7 @@ class ChunkManager:
         masters: dict[str, torch.Tensor] | None = None,
         budget: int | None,
         arena_capacity: int,
-        device: torch.device | str = "cpu",
+        device: Device | torch.device | str = "cpu",
         static_share: int | None = None,
         mem_cache: int = 2,
         prefetch: bool | None = None,
@@ -112,19 +115,22 @@ class ChunkManager:
     ):
         self.layout = layout
         self.data_parallel = data_parallel  # chunk owners and their collectives, or None
-        self.device = torch.device(device)
+        # the streams, events and host buffers of every asynchronous copy (a torch device is
+        # taken to its Device: runtime.device.using_device chooses another, as tests do)
+        self.compute_device = device if isinstance(device, Device) else device_for(device)
+        self.device = self.compute_device.torch_device
         self._in_forward = False
         self.stats = ChunkStats()
         self.tracer = MemoryTracer()
         self.planned_capacity = arena_capacity  # what the plan asked (the arena rounds it)
         self.arena = ArenaBuffer(arena_capacity, self.device)
-        self.compute = ComputeTier(self.arena, layout.dtype)
+        self.compute = ComputeTier(self.arena, layout.dtype, self.compute_device)
         self._plan_source: ChunkPlan | None = None  # the ChunkPlan the current step follows
         self._observed: set[int] = set()  # id() of plans a traced step was observed for
         self._overlapped = False  # this step began before the last one's backward ran
-        self.pin = pin = self.device.type == "cuda"  # host homes page-locked for async copies
-        self.host_tier = HostTier(pin=pin)
-        copy_stream = torch.cuda.Stream(self.device) if pin else None
+        # copies between the tiers may run beside compute: prefetch and gradient copies pay
+        asynchronous = self.compute_device.asynchronous
+        self.host_tier = HostTier(self.compute_device)
         self.low_precision = layout.dtype != torch.float32
         self.homes: dict[str, torch.Tensor] = {}  # what each stable parameter is a view of
         # bf16/fp16: a chunk's gradient takes the room of its host payload (PatrickStar)
@@ -139,17 +145,18 @@ class ChunkManager:
         self.residency = Residency(
             layout, self.chunks, self.stable, compute=self.compute,
             stats=self.stats, tracer=self.tracer, budget=budget, static_share=static_share,
-            mem_cache=mem_cache, prefetch=pin if prefetch is None else prefetch,
-            copy_stream=copy_stream, owners=data_parallel if self.sharded else None,
+            mem_cache=mem_cache, prefetch=asynchronous if prefetch is None else prefetch,
+            owners=data_parallel if self.sharded else None,
             load_unit=load_unit,
         )  # fmt: skip
-        # Gradient copies run beside backward: on the copy stream on CUDA; on a CPU-only
-        # machine (where the copy is a memcpy into the host buffer) on a worker thread, off by
-        # default there since both cores are computing. Backward's end waits for them.
+        # Gradient copies run beside backward: on the copy stream of an asynchronous device;
+        # on a CPU-only machine (where the copy is a memcpy into the host buffer) on a worker
+        # thread, off by default there since both cores are computing. Backward's end waits
+        # for them.
         self.grads = GradAccumulator(
             self.residency,
             low_precision=self.low_precision,
-            overlap=pin if overlap_grad_copies is None else overlap_grad_copies,
+            overlap=asynchronous if overlap_grad_copies is None else overlap_grad_copies,
         )
         if self.sharded:  # gradients to their owners during backward
             take = functools.partial(self.grads.take, at_once=True)
@@ -304,8 +311,8 @@ class ChunkManager:
         return adopted
 
     def _sample(self) -> tuple[int, int]:
-        if self.device.type == "cuda":
-            allocated = torch.cuda.memory_allocated(self.device)
+        allocated = self.compute_device.memory_allocated()
+        if allocated is not None:
             return self.resident_bytes(), allocated - self.arena.capacity
         return self.resident_bytes(), self.tracer.live_bytes
 
@@ -315,8 +322,9 @@ class ChunkManager:
     def from_plan(
         cls, plan: ChunkPlan, params: dict[str, torch.Tensor], **options: object
     ) -> ChunkManager:
-        """The manager a ChunkPlan decides: its layout, room and device; `options` are the
-        run-time knobs (masters, monitor, overlap_grad_copies, prefetch)."""
+        """The manager a ChunkPlan decides: its layout, room and device (its Device:
+        runtime.device.device_for); `options` are the run-time knobs (masters, monitor,
+        overlap_grad_copies, prefetch)."""
         return cls(
             plan.layout, params, budget=plan.budget, arena_capacity=plan.arena_capacity,
             device=plan.device, static_share=plan.static_share, mem_cache=plan.mem_cache,

@@ -20,46 +20,46 @@ The rules every implementation keeps, as CUDA's semantics state them:
   the current stream reads it only after `current.wait_event(event)`.
 - Memory a side stream still reads or writes is kept from reuse by `record_stream`.
 
-How today's runtime call sites map onto it (device: the compute tier's Device; side: a stream
-from `device.new_stream()`; current: `device.current_stream()`):
+How the runtime uses it (device: the compute tier's Device, `ChunkManager.compute_device`,
+from `device_for(plan.device)`; side: a stream from `device.new_stream()`; current:
+`device.current_stream()`). A copy crosses the tiers by where its ends lie (a chunk's home
+on the host tier or the compute tier), not by `tensor.device`: on the host and the simulated
+device both tiers are host memory.
 
-- chunks.ChunkManager.__init__: `torch.cuda.Stream(device)` -> `device.new_stream()`;
-  `pin = device.type == 'cuda'` -> `device.asynchronous`.
-- chunks.ChunkManager._sample: `torch.cuda.memory_allocated` -> `device.memory_allocated()`.
-- residency.Residency.copy: `copy_stream.wait_stream(current)`, `copy_` under the stream,
-  `event.record`, `current.wait_event(event)` -> `q = device.copy_after(dst, src, side)`,
-  `current.wait_event(q.done)`; to the host also `q.done.synchronize()`.
-- grad_copies.GradAccumulator._copy_on_stream: wait, timing events around `copy_`,
-  `src.record_stream` -> `device.copy_after(dst, src, side, timing=True)` (PendingCopy holds
-  the QueuedCopy); .wait: `end.synchronize()`, `start.elapsed_time(end)`,
-  `current.wait_stream(copy_stream)` -> `q.done.synchronize()`, `q.seconds()`,
-  `current.wait_stream(side)`.
-- offload.ActivationOffload._side_stream: `torch.cuda.Stream(device)` -> `device.new_stream()`.
-- offload._Handle.__init__: wait, `copy_` under the stream, `Event().record`,
-  `t.record_stream(stream)` -> `self.event = device.copy_after(self.host, t, side).done`.
-- offload._Handle.prefetch: `stream.wait_event(event)`, `empty_strided` and `copy_` under the
-  stream, `Event().record` -> `side.wait_event(event)`, `device.empty(shape, dtype,
-  stride=..., stream=side)`, `device.copy(restored, host, side)`, `side.record_event()`.
-- offload._Handle.take: `current.wait_event(event)`, `t.record_stream(current)` ->
-  `current.wait_event(event)`, `device.record_stream(t, current)`.
-- page-locked host buffers (host.host_empty(pin=True) from offload._HostPool.take,
-  tiers.HostTier.empty, weights' scratch) -> `device.host_empty(nbytes)`.
-- a card's capacity (arena.device_memory_bytes, passes.chunk_layout.auto_budget:
-  `get_device_properties(device).total_memory`) -> `device.memory_info()[1]`.
-- engine inputs `x.to(device, non_blocking=True)` -> `device.copy` into `device.empty(...)`.
+- residency.Residency: one copy stream for every copy between the tiers; `copy` is
+  `device.copy_after(dst, src, side)`; to the host the host waits (`done.synchronize()`), to
+  the compute tier the current stream waits (`current.wait_event(done)`) at once, or for a
+  prefetch at the chunk's access or when its block is given up (`_copied`); before the
+  payload's rooms holding gradients are rounded in and before a data-parallel collective
+  reads the block, at once.
+- grad_copies.GradAccumulator: an overlapped gradient copy to the host tier is
+  `device.copy_after(dst, src, side, timing=True)`; backward's end (`wait`) synchronises each
+  one's `done` and takes its `seconds()`; a copy into a kept chunk's compute-tier buffer runs
+  on the current stream (`device.copy`).
+- offload.ActivationOffload: a side stream of its own; a saved input to a host buffer by
+  `copy_after`, back by `device.empty(..., stream=side)` and `device.copy(restored, host,
+  side)` (after it on the same stream), the current stream waiting for it
+  (`current.wait_event`) and `device.record_stream(t, current)` before backward reads it.
+- host buffers: payloads and gradients in `device.host_empty` (page-locked on an
+  accelerator: tiers.HostTier, offload's pool); masters and moments in the core's buffers.
+- chunks.ChunkManager's memory monitor: `device.memory_allocated()`.
 
-Data-parallel broadcasts/all-gathers (data_parallel.fetch/gather with wait=False) and the
-tensor-parallel collectives run on the backend's own streams; their `work.wait()` orders the
-current stream after them, and stays as it is.
+Still on torch's own calls: a card's capacity (arena.device_memory_bytes,
+passes.chunk_layout.auto_budget: `get_device_properties(device).total_memory`, which
+`device.memory_info()[1]` gives), engine inputs (`x.to(device, non_blocking=True)`), and
+HybridAdam's device half (torch's fused Adam and its copies on the current stream). The
+data-parallel broadcasts and all-gathers and the tensor-parallel collectives run on their
+backend's streams; their `work.wait()` orders the current stream after them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -79,6 +79,7 @@ __all__ = [
     "Stream",
     "device_for",
     "host_memory_info",
+    "using_device",
 ]
 
 
@@ -376,9 +377,28 @@ class AcceleratorDevice(Device):
         torch.accelerator.set_device_index(self.torch_device.index)
 
 
+_chosen: list[Device] = []  # using_device's, innermost last
+
+
+@contextlib.contextmanager
+def using_device(device: Device) -> Iterator[Device]:
+    """While open, `device_for` answers `device` for its torch device type: what an engine
+    compiled (and, for activation offload, first run) inside runs its asynchronous work on.
+    How the tests put the runtime on fxstar.testing.SimulatedDevice without a Plan option."""
+    _chosen.append(device)
+    try:
+        yield device
+    finally:
+        _chosen.remove(device)
+
+
 def device_for(device: torch.device | str) -> Device:
-    """The Device for a torch device: the host for 'cpu', else this machine's accelerator."""
+    """The Device for a torch device: the one `using_device` chose for its type, else the host
+    for 'cpu' and this machine's accelerator for the rest."""
     device = torch.device(device)
+    for chosen in reversed(_chosen):
+        if chosen.torch_device.type == device.type:
+            return chosen
     if device.type == "cpu":
         return HostDevice()
     return AcceleratorDevice(device)

@@ -3,10 +3,11 @@
 Autograd hands each parameter leaf's gradient to a hook as it is produced; the gradient is
 added into the chunk's gradient buffer (on the host tier, or on the compute tier for a fixed
 chunk), which the stable parameter's `.grad` views. The first gradient of a step is a copy:
-on CUDA it runs on the copy stream, on a CPU-only machine on a worker thread (off by default
-there), and backward's end waits for every copy in flight. The ChunkManager owns one
-GradAccumulator and delegates to it (composition: the copies in flight and which slots hold a
-gradient are state nothing else writes).
+into a host-tier buffer on an asynchronous compute Device it runs on the copy stream, on a
+CPU-only machine on a worker thread (off by default there), and backward's end waits for every
+copy in flight; into a kept chunk's compute-tier buffer it runs on the current stream. The
+ChunkManager owns one GradAccumulator and delegates to it (composition: the copies in flight
+and which slots hold a gradient are state nothing else writes).
 
 Why a copy, and not autograd accumulating into the buffer itself: with the leaf's `.grad`
 unset, AccumulateGrad steals the incoming gradient (no copy of its own), so this path costs one
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from fxstar.errors import FxstarError
+from fxstar.runtime.device import QueuedCopy
 from fxstar.runtime.grad_shards import GradShards
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.residency import Residency
@@ -37,8 +39,8 @@ class GradientConsumedError(FxstarError, RuntimeError):
     """A gradient the optimizer step overwrote (it shared its parameters' room) was asked for."""
 
 
-# a copy in flight: a worker thread's future, or the CUDA events around a copy-stream copy
-PendingCopy = concurrent.futures.Future | tuple[torch.cuda.Event, torch.cuda.Event]
+# a copy in flight: a worker thread's future, or a copy queued on the copy stream
+PendingCopy = concurrent.futures.Future | QueuedCopy
 
 
 class GradAccumulator:
@@ -46,6 +48,7 @@ class GradAccumulator:
 
     def __init__(self, residency: Residency, *, low_precision: bool, overlap: bool):
         self.residency = residency
+        self.compute_device = residency.compute_device
         self.stable: dict[str, nn.Parameter] = residency.stable
         self.low_precision = low_precision
         self.overlap = overlap  # copy gradients beside backward (overlap_grad_copies)
@@ -158,11 +161,11 @@ class GradAccumulator:
                 buffer = self.grad_view(slot)
                 buffer.add_(grad.to(buffer.device))
             else:
-                self._copy(self.grad_view(slot), grad, at_once)
+                self._copy(slot, grad, at_once)
                 self.present.add(slot.name)
         elif stable.grad is None:
             buffer = self.grad_view(slot)
-            self._copy(buffer, grad, at_once)  # a copy: bitwise what eager stores
+            self._copy(slot, grad, at_once)  # a copy: bitwise what eager stores
             stable.grad = buffer
         else:
             self.wait()
@@ -170,21 +173,31 @@ class GradAccumulator:
 
     # -- the copies and their overlap -----------------------------------------------------------
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, at_once: bool = False) -> None:
-        """A gradient into its buffer: at once, or beside the rest of backward (overlap)."""
+    def _copy(self, slot: ParamSlot, src: torch.Tensor, at_once: bool = False) -> None:
+        """A gradient into its slot's buffer: at once, or beside the rest of backward
+        (overlap): on the copy stream when the buffer is on the host tier of an asynchronous
+        device, on a worker thread when the device is the host's."""
+        dst = self.grad_view(slot)
         stats = self.residency.stats
-        if at_once or not self.overlap or dst.device == src.device != torch.device("cpu"):
+        to_host = not self.residency.chunks[slot.chunk].kept  # else a compute-tier buffer
+        asynchronous = self.compute_device.asynchronous
+        if at_once or not self.overlap or (asynchronous and not to_host):
             start = time.perf_counter()
-            self.residency.copy(dst, src, to_host=True)
+            if to_host:
+                self.residency.copy(dst, src, to_host=True)
+            else:
+                self.residency.copy_within(dst, src)
             stats.grad_copy_seconds += time.perf_counter() - start
             return
         if not self._wait_queued:  # backward's end waits for every copy in flight
             torch.autograd.Variable._execution_engine.queue_callback(self.wait)
             self._wait_queued = True
-        if self.residency.copy_stream is not None:
-            self._pending.append(self._copy_on_stream(dst, src))
-            if dst.device != src.device:
-                stats.bytes_to_host += src.numel() * src.element_size()
+        if asynchronous:
+            residency = self.residency
+            self._pending.append(
+                self.compute_device.copy_after(dst, src, residency.copy_stream, timing=True)
+            )
+            stats.bytes_to_host += src.numel() * src.element_size()
             return
         if self._copier is None:
             self._copier = concurrent.futures.ThreadPoolExecutor(1, "fxstar-grad-copies")
@@ -194,21 +207,6 @@ class GradAccumulator:
         start = time.perf_counter()
         copy_payload(dst, src)
         self.residency.stats.grad_copy_seconds += time.perf_counter() - start
-
-    def _copy_on_stream(
-        self, dst: torch.Tensor, src: torch.Tensor
-    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue a copy on the copy stream after what the compute stream has queued (which
-        produced `src`); `src` stays allocated until the copy ran."""
-        stream = self.residency.copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.residency.device))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            dst.copy_(src, non_blocking=True)
-            end.record(stream)
-        src.record_stream(stream)
-        return start, end
 
     def wait(self) -> None:
         """Block until every gradient copy in flight is done; time what was not hidden."""
@@ -220,12 +218,9 @@ class GradAccumulator:
         for item in self._pending:
             if isinstance(item, concurrent.futures.Future):
                 item.result()
-            else:
-                item[1].synchronize()
-                stats.grad_copy_seconds += item[0].elapsed_time(item[1]) / 1e3
-        copy_stream = self.residency.copy_stream
-        if copy_stream is not None:  # later kernels may read what arrived
-            torch.cuda.current_stream(self.residency.device).wait_stream(copy_stream)
+            else:  # the host reads the buffers next (the optimizer, a later add)
+                item.done.synchronize()
+                stats.grad_copy_seconds += item.seconds()
         self._pending.clear()
         stats.grad_wait_seconds += time.perf_counter() - start
 

@@ -9,11 +9,14 @@ no longer needs it. In backward the unpack hook of region i brings its inputs ba
 the copy prefetched earlier) and starts the prefetch of region i-1, the next to recompute, so
 at most two regions' inputs are resident on the compute side at once.
 
-On CUDA the copies run on a side stream with events (pinned host memory, `record_stream` so
-the caching allocator does not reuse memory a copy still reads or writes); on CPU they are
-plain copies into `host_empty` buffers. Parameters (leaves that require grad) and tensors
-smaller than `min_offload_size` stay where they are, as in torchtune's OffloadActivations:
-moving small tensors costs more in launches than it saves.
+The copies run on a side stream of the compute Device (runtime/device.py), into its host
+buffers (page-locked on an accelerator): each copy to the host is queued after what the current
+stream queued, the copy back after it on the same stream, and the current stream waits for the
+copy back before the tensor is handed to backward (`record_stream` keeps the caching allocator
+from reusing memory a copy still reads or writes). On the host's Device they are plain copies.
+The Device is the one `device_for` gives the first offloaded tensor's device. Parameters
+(leaves that require grad) and tensors smaller than `min_offload_size` stay where they are, as
+in torchtune's OffloadActivations: moving small tensors costs more in launches than it saves.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxstar.runtime.host import host_empty
+from fxstar.runtime.device import Device, Event, Stream, device_for
 from fxstar.runtime.recompute import run_region
 from fxstar.sizes import format_size
 
@@ -48,7 +51,8 @@ class OffloadStats:
 class _Handle:
     """One offloaded tensor: its host copy, and the compute-side copy once brought back."""
 
-    def __init__(self, t: torch.Tensor, region: int, stream: Any, pool: _HostPool):
+    def __init__(self, t: torch.Tensor, region: int, device: Device, side: Stream,
+                 pool: _HostPool):  # fmt: skip
         self.region = region
         self.device, self.dtype = t.device, t.dtype
         self.shape, self.stride = t.shape, t.stride()
@@ -56,46 +60,30 @@ class _Handle:
         dense = _dense(t)
         if not dense:
             self.stride = torch.empty(self.shape, device="meta").stride()
-        buffer = pool.take(self.nbytes, t.is_cuda)
-        weakref.finalize(self, pool.give, buffer, t.is_cuda)  # back to the pool when freed
+        buffer = pool.take(self.nbytes)
+        weakref.finalize(self, pool.give, buffer)  # back to the pool when freed
         self.host = buffer.view(self.dtype).as_strided(self.shape, self.stride)
         self.restored: torch.Tensor | None = None
-        self.event = None
-        if t.is_cuda:
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(stream):
-                self.host.copy_(t, non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(stream)
-            t.record_stream(stream)  # t's memory is not reused before the copy has read it
-        else:
-            self.host.copy_(t)
+        # after the current stream produced t; the copy back follows on the same stream
+        self.event: Event = device.copy_after(self.host, t, side).done
 
-    def prefetch(self, stream: Any) -> bool:
-        """Start bringing the tensor back; False if it already was."""
+    def prefetch(self, device: Device, side: Stream) -> bool:
+        """Start bringing the tensor back on `side` (after its copy to the host: the same
+        stream); False if it already was."""
         if self.restored is not None:
             return False
-        empty = torch.empty_strided
-        if self.device.type == "cuda":
-            with torch.cuda.stream(stream):
-                stream.wait_event(self.event)  # the host copy is complete
-                self.restored = empty(self.shape, self.stride, dtype=self.dtype, device=self.device)
-                self.restored.copy_(self.host, non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(stream)
-        else:
-            self.restored = empty(self.shape, self.stride, dtype=self.dtype, device=self.device)
-            self.restored.copy_(self.host)
+        self.restored = device.empty(self.shape, self.dtype, stride=self.stride, stream=side)
+        device.copy(self.restored, self.host, side)
+        self.event = side.record_event()
         return True
 
-    def take(self, stream: Any) -> torch.Tensor:
+    def take(self, device: Device, side: Stream) -> torch.Tensor:
         """The compute-side tensor, ready to use on the current stream."""
-        self.prefetch(stream)
+        self.prefetch(device, side)
         t, self.restored = self.restored, None
-        if t.is_cuda:
-            current = torch.cuda.current_stream(t.device)
-            current.wait_event(self.event)
-            t.record_stream(current)
+        current = device.current_stream()
+        current.wait_event(self.event)
+        device.record_stream(t, current)
         return t
 
 
@@ -113,19 +101,22 @@ def _dense(t: torch.Tensor) -> bool:
 
 class _HostPool:
     """Host buffers by size, reused across steps: allocating (and faulting in) fresh host
-    memory for every saved input each step costs more than the copy itself."""
+    memory for every saved input each step costs more than the copy itself. A buffer given
+    back may still be read by its copy back; the next copy into it is queued after that one
+    on the same side stream."""
 
-    def __init__(self):
-        self.free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+    def __init__(self, device: Device):
+        self.device = device
+        self.free: dict[int, list[torch.Tensor]] = {}
 
-    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
-        free = self.free.get((nbytes, pin))
+    def take(self, nbytes: int) -> torch.Tensor:
+        free = self.free.get(nbytes)
         if free:
             return free.pop()
-        return host_empty(max(nbytes, 1), zero=False, pin=pin)[:nbytes]  # overwritten at once
+        return self.device.host_empty(max(nbytes, 1), zero=False)[:nbytes]  # overwritten at once
 
-    def give(self, buffer: torch.Tensor, pin: bool) -> None:
-        self.free.setdefault((buffer.numel(), pin), []).append(buffer)
+    def give(self, buffer: torch.Tensor) -> None:
+        self.free.setdefault(buffer.numel(), []).append(buffer)
 
 
 class ActivationOffload(nn.Module):
@@ -139,15 +130,17 @@ class ActivationOffload(nn.Module):
         self.stats = OffloadStats()
         self._regions: dict[int, list[_Handle]] = {}
         self._resident: list[tuple[weakref.ref, int, int]] = []  # (tensor, bytes, region)
-        self._stream: Any = None
-        self._pool = _HostPool()
+        # the compute Device, its side stream and host buffers: made at the first offload
+        self._device: Device | None = None
+        self._stream: Stream | None = None
+        self._pool: _HostPool | None = None
 
-    def _side_stream(self, device: torch.device) -> Any:
-        if device.type != "cuda":
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+    def _side(self, t: torch.Tensor) -> tuple[Device, Stream, _HostPool]:
+        if self._device is None:
+            self._device = device_for(t.device)
+            self._stream = self._device.new_stream()
+            self._pool = _HostPool(self._device)
+        return self._device, self._stream, self._pool
 
     def _offloadable(self, t: torch.Tensor) -> bool:
         if t.is_leaf and t.requires_grad:  # a parameter: its memory is not an activation's
@@ -167,7 +160,7 @@ class ActivationOffload(nn.Module):
         def pack(t: torch.Tensor) -> Any:
             if not self._offloadable(t):
                 return t
-            handle = _Handle(t, index, self._side_stream(t.device), self._pool)
+            handle = _Handle(t, index, *self._side(t))
             handles.append(handle)
             self.stats.to_host_bytes += handle.nbytes
             self.stats.tensors += 1
@@ -176,12 +169,12 @@ class ActivationOffload(nn.Module):
         def unpack(saved: Any) -> torch.Tensor:
             if not isinstance(saved, _Handle):
                 return saved
-            stream = self._side_stream(saved.device)
+            device, stream = self._device, self._stream  # set by the pack
             if saved.restored is not None:
                 self.stats.prefetched += 1
-            elif saved.prefetch(stream):
+            elif saved.prefetch(device, stream):
                 self._restored(saved)
-            t = saved.take(stream)
+            t = saved.take(device, stream)
             self._prefetch(saved.region - 1)
             return t
 
@@ -190,7 +183,7 @@ class ActivationOffload(nn.Module):
 
     def _prefetch(self, index: int) -> None:
         for handle in self._regions.get(index, ()):
-            if handle.prefetch(self._side_stream(handle.device)):
+            if handle.prefetch(self._device, self._stream):
                 self._restored(handle)
 
     def _restored(self, handle: _Handle) -> None:

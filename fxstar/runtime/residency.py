@@ -12,6 +12,11 @@ ChunkPlan.load_unit): the group's N chunks take one arena block, filled by one a
 rank copies its own chunk into its place first), and are evicted together, Belady's rule
 weighing a group by its member used soonest (PatrickStar's and ZeRO-3's group fetch).
 
+Copies between the tiers run on a side stream of the compute Device (runtime/device.py): a
+load's copy is waited for by the current stream before anything reads or writes the block
+(at once; a prefetch's at its chunk's access, or when its block is given up), a copy to the
+host by the host before it returns.
+
 The ChunkManager owns one Residency and delegates to it (composition: the resident set, the
 block cache and the step's plan are state nothing else writes); the other collaborators reach
 the chunks through it.
@@ -29,8 +34,8 @@ import torch
 from fxstar.runtime.arena import ArenaOutOfMemory
 from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState
 from fxstar.runtime.chunk_stats import ChunkStats
+from fxstar.runtime.device import QueuedCopy
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ParamSlot, blocks_at_once
-from fxstar.runtime.tier_copy import copy_payload
 from fxstar.runtime.tiers import ComputeTier
 from fxstar.runtime.tracer import MemoryTracer
 
@@ -70,13 +75,14 @@ class Residency:
         static_share: int | None,
         mem_cache: int,
         prefetch: bool,
-        copy_stream: torch.cuda.Stream | None,
         owners: PayloadOwners | None = None,
         load_unit: int = 1,
     ):
         self.layout = layout
         self.compute = compute  # the arena, and the blocks kept beside the chunks
         self.device = compute.device
+        self.compute_device = compute.compute_device
+        self.copy_stream = self.compute_device.new_stream()  # every copy between the tiers
         self.chunks = chunks
         self.stable = stable  # the parameters users see: their versions tell a stale copy
         self.arena = compute.arena
@@ -86,7 +92,6 @@ class Residency:
         self.static_share = static_share
         self.cache_capacity = mem_cache
         self.prefetch = prefetch
-        self.copy_stream = copy_stream
         # sharded payloads: every load is a collective with the chunks' owners (each rank
         # makes the same choices, following one plan under one budget)
         self.owners = owners
@@ -95,6 +100,7 @@ class Residency:
         self.load_unit = load_unit
         self.unit_bytes = load_unit * layout.chunk_bytes
         self.inflight: dict[int, object] = {}  # chunk -> its prefetch's collective (sharded)
+        self.loading: dict[int, QueuedCopy] = {}  # chunk -> its prefetch's copy in flight
         self.prefetched: set[int] = set()  # chunks a prefetch loaded, not yet accessed
         self.checking = False  # verify the residency invariants after every access (tests)
         self.cache: list[int] = []  # freed chunk blocks kept for reuse (mem_cache)
@@ -243,10 +249,11 @@ class Residency:
         return n + positions[0] if positions else 2 * n + 1
 
     def _arrived(self, chunk: Chunk) -> None:
-        """Wait for the prefetch of the chunk's unit (a broadcast, or its group's gather), if
-        one is in flight."""
+        """Wait for the prefetch of the chunk's unit (its copies, a broadcast, or its group's
+        gather), if one is in flight."""
         works = {}
         for member in self.unit(chunk):
+            self._copied(member)
             work = self.inflight.pop(member.id, None)
             if work is not None:
                 works[id(work)] = work
@@ -315,15 +322,19 @@ class Residency:
             return
         offset = self.take_block()
         if offset is not None:
-            self.load(chunk, offset, S.HOLD)
+            self.load(chunk, offset, S.HOLD, prefetch=True)
             self.prefetched.add(chunk.id)
 
     # -- copies between the tiers ---------------------------------------------------------------
 
-    def load(self, chunk: Chunk, offset: int, state: ChunkState = S.COMPUTE) -> None:
+    def load(
+        self, chunk: Chunk, offset: int, state: ChunkState = S.COMPUTE, *, prefetch: bool = False
+    ) -> None:
         """Copy the chunk's unit into the arena block at `offset`: each member's host home
         into its place (a rank's own chunks), then, with sharded payloads, what other ranks
-        own from them. The other members of a group come in as prefetched (HOLD)."""
+        own from them. The other members of a group come in as prefetched (HOLD). The current
+        stream waits for the copies before it returns, or, for a `prefetch`, at the chunk's
+        access (or when the block is given up) where nothing else touches the block first."""
         unit = self.unit(chunk)
         versions = []
         for i, member in enumerate(unit):
@@ -331,7 +342,10 @@ class Residency:
             member.placed(offset + i * self.layout.chunk_bytes)
             if not member.remote:
                 payload = self.view(member, 0, (member.used,))
-                self.copy(payload, member.payload[: member.used], to_host=False)
+                self.loading[member.id] = self.copy(payload, member.payload[: member.used],
+                                                    to_host=False)  # fmt: skip
+                if not prefetch or member.grad_slots or self.owners is not None:
+                    self._copied(member)  # the block is read or written right below
                 if member.grad_slots:  # their host room holds gradients: masters' values
                     member.round_into(payload, member.slots_holding_grads())
         if self.owners is not None:
@@ -360,30 +374,38 @@ class Residency:
             for member in unit:
                 self.inflight[member.id] = work
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> None:
-        """One copy between the tiers (on the copy stream on CUDA), timed and counted."""
+    def _copied(self, chunk: Chunk) -> None:
+        """The current stream waits for the chunk's load copy, if one is in flight."""
+        queued = self.loading.pop(chunk.id, None)
+        if queued is not None:
+            self.compute_device.current_stream().wait_event(queued.done)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_host: bool) -> QueuedCopy:
+        """One copy between the tiers on the copy stream, after what the current stream
+        queued (it produced `src` or still reads `dst`), timed and counted. To the host the
+        host waits for it (it reads the result right away); to the compute tier the caller
+        has the current stream wait for the copy returned before it touches `dst`."""
         start = time.perf_counter()
         nbytes = src.numel() * src.element_size()
-        if self.copy_stream is not None and dst.device != src.device:
-            # after what the compute stream queued: it produced `src` or still reads `dst`
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-            torch.cuda.current_stream(self.device).wait_event(event)
-            if to_host:
-                event.synchronize()  # the host reads it right away
-        else:
-            copy_payload(dst, src)
+        queued = self.compute_device.copy_after(dst, src, self.copy_stream)
+        if to_host:
+            queued.done.synchronize()
         self.stats.copy_seconds += time.perf_counter() - start
         self.stats.copy_bytes += nbytes
         if to_host:
-            if dst.device != src.device:
-                self.stats.bytes_to_host += nbytes
+            self.stats.bytes_to_host += nbytes
         else:
             self.stats.bytes_to_compute += nbytes
             self.step_bytes += nbytes
+        return queued
+
+    def copy_within(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A copy that stays on one tier (a kept chunk's gradient into its compute-tier
+        buffer): on the current stream, counted with the copies."""
+        start = time.perf_counter()
+        self.compute_device.copy(dst, src)
+        self.stats.copy_seconds += time.perf_counter() - start
+        self.stats.copy_bytes += src.numel() * src.element_size()
 
     def round_master(self, chunk: Chunk) -> None:
         """A kept chunk's compute copy made again from its fp32 master (if it has one); a

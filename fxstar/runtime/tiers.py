@@ -1,12 +1,15 @@
 """The tiers a chunk's parts live on, each an object that holds its own memory.
 
 A chunk's home (its payload, its gradient buffer, its fp32 master: runtime/chunk.py's Home)
-lies on one tier. The host tier allocates homes (page-locked where a copy stream reads them)
-and gives the pages of a home no longer read back to the system. The compute tier is one arena
-of `device_memory` bytes: the blocks residency loads chunks into, tensors viewing them, and the
-blocks kept there for good beside the chunks (HybridAdam's device half: moments, gradients,
-masters). A tier below the host (a disk) is another subclass of Tier, not new fields on the
-chunk.
+lies on one tier. The host tier allocates homes (payloads and gradients in the buffers the
+compute Device copies asynchronously with: page-locked on an accelerator) and gives the pages
+of a home no longer read back to the system. The compute tier is one arena of `device_memory`
+bytes on the compute Device (runtime/device.py, whose streams order the copies between the
+tiers): the blocks residency loads chunks into, tensors viewing them, and the blocks kept there
+for good beside the chunks (HybridAdam's device half: moments, gradients, masters). Whether a
+copy crosses tiers is a matter of tiers, not of `tensor.device`: on a CPU-only machine, and on
+the simulated device the tests use, both tiers are host memory. A tier below the host (a disk)
+is another subclass of Tier, not new fields on the chunk.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from fxstar.runtime.arena import ArenaBuffer
+from fxstar.runtime.device import Device
 from fxstar.runtime.host import host_empty, release_pages
 from fxstar.runtime.layout import ParamSlot
 
@@ -34,14 +38,17 @@ class HostTier(Tier):
 
     name = "host"
 
-    def __init__(self, *, pin: bool):
-        self.pin = pin  # payloads page-locked: a copy stream reads them asynchronously
+    def __init__(self, compute_device: Device):
+        self.compute_device = compute_device  # whose side streams copy payloads and gradients
 
     def empty(self, numel: int, dtype: torch.dtype, *, payload: bool = True) -> torch.Tensor:
-        """`numel` zeroed elements; a payload or gradient page-locked where the tier pins,
-        a master or moments never (only the CPU Adam reads them)."""
+        """`numel` zeroed elements; a payload or gradient in the compute device's host buffers
+        (page-locked on an accelerator), a master or moments in the core's (only the CPU
+        Adam reads them)."""
         nbytes = numel * dtype.itemsize
-        return host_empty(nbytes, zero=True, pin=self.pin and payload).view(dtype)
+        if payload:
+            return self.compute_device.host_empty(nbytes, zero=True).view(dtype)
+        return host_empty(nbytes, zero=True).view(dtype)
 
     @staticmethod
     def give_back(tensors: Sequence[torch.Tensor | None]) -> int:
@@ -54,8 +61,9 @@ class ComputeTier(Tier):
 
     name = "compute"
 
-    def __init__(self, arena: ArenaBuffer, dtype: torch.dtype):
+    def __init__(self, arena: ArenaBuffer, dtype: torch.dtype, compute_device: Device):
         self.arena = arena
+        self.compute_device = compute_device  # the streams and events of its copies
         self.device = arena.device
         self.dtype = dtype  # the chunks' elements
         self.elements = arena.buffer.view(dtype)

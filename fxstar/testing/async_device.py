@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fxstar.runtime.device import Device, Event, HostStream, Stream, host_memory_info
+from fxstar.runtime.host import host_empty
 
 __all__ = ["AsyncWorkError", "SimulatedDevice", "poison", "reads_as_poison"]
 
@@ -138,11 +139,12 @@ class SimEvent:
         self._context.raise_pending()
 
     def elapsed_time(self, end: Event) -> float:
-        """Milliseconds between this event's completion and `end`'s (both synchronised)."""
-        self.synchronize()
-        end.synchronize()
+        """Milliseconds between this event's completion and `end`'s; both must have completed
+        (CUDA answers cudaErrorNotReady otherwise), so a missing synchronize fails here."""
         if self._signal is None or end._signal is None:
             raise RuntimeError("elapsed_time needs both events recorded")
+        if not (self.query() and end.query()):
+            raise RuntimeError("elapsed_time of an event not completed: synchronize it first")
         return (end._signal.time - self._signal.time) * 1e3
 
 
@@ -347,8 +349,7 @@ class SimulatedDevice(Device):
         return t
 
     def host_empty(self, nbytes: int, *, zero: bool = True) -> torch.Tensor:
-        t = torch.empty(nbytes, dtype=torch.uint8)
-        return t.zero_() if zero else t
+        return host_empty(nbytes, zero=zero)  # the host's own buffers: nothing to page-lock
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         return None  # the queued work holds its tensors until it has run

@@ -5,6 +5,7 @@ import torch
 
 from fxstar.runtime.arena import ArenaBuffer
 from fxstar.runtime.chunk import Chunk, ChunkState, Home, Room
+from fxstar.runtime.device import HostDevice
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.tiers import ComputeTier, HostTier
 
@@ -16,7 +17,7 @@ def low_precision_chunk(grad_in_payload: bool = True) -> Chunk:
     payload = torch.zeros(4, dtype=torch.bfloat16)
     master = torch.arange(1.0, 5.0)
     grad = payload if grad_in_payload else torch.zeros(4, dtype=torch.bfloat16)
-    home = Home(HostTier(pin=False), payload, grad, master, grad_in_payload=grad_in_payload)
+    home = Home(HostTier(HostDevice()), payload, grad, master, grad_in_payload=grad_in_payload)
     chunk = Chunk(0, SLOTS, home, used=4)
     chunk.homed()
     return chunk
@@ -81,7 +82,7 @@ def test_pins_are_counted_and_the_last_unpin_moves_the_chunk_on():
 
 def test_a_home_moves_between_the_tiers_its_table_allows():
     chunk = low_precision_chunk()
-    compute = ComputeTier(ArenaBuffer(1 << 12, torch.device("cpu")), torch.bfloat16)
+    compute = ComputeTier(ArenaBuffer(1 << 12, torch.device("cpu")), torch.bfloat16, HostDevice())
     block = compute.view(0, 0, (4,))
     kept = Home(compute, block, torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4))
     chunk.take_room(SLOTS[0])
@@ -90,7 +91,7 @@ def test_a_home_moves_between_the_tiers_its_table_allows():
     assert chunk.fp32_home.data_ptr() == kept.master.data_ptr()
     with pytest.raises(RuntimeError, match="cannot move from compute to compute"):
         chunk.keep_on_compute(kept)
-    host = Home(HostTier(pin=False), torch.zeros(4, dtype=torch.bfloat16), None,
+    host = Home(HostTier(HostDevice()), torch.zeros(4, dtype=torch.bfloat16), None,
                 torch.zeros(4), grad_in_payload=True)  # fmt: skip
     chunk.back_to_host(host, grad_rooms=["a"])
     assert not chunk.kept and chunk.grad_slots == {"a"}

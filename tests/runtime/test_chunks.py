@@ -6,6 +6,7 @@ import torch
 from fxstar.runtime import tier_copy
 from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState, Home
 from fxstar.runtime.chunks import ChunkManager
+from fxstar.runtime.device import HostDevice
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.runtime.tiers import HostTier
 
@@ -29,7 +30,7 @@ def plan(order: list[int]) -> AccessPlan:
 
 
 def test_illegal_state_changes_raise():
-    chunk = Chunk(0, [], Home(HostTier(pin=False), torch.zeros(1), None))
+    chunk = Chunk(0, [], Home(HostTier(HostDevice()), torch.zeros(1), None))
     with pytest.raises(RuntimeError, match="illegal state change free -> compute"):
         chunk.move(ChunkState.COMPUTE)
     chunk.move(ChunkState.RELEASED)

@@ -43,7 +43,7 @@ def grouped(chunks: int, groups_resident: int, prefetch: bool = False
     residency = Residency(
         layout, m.chunks, m.stable, compute=m.compute,
         stats=m.stats, tracer=m.tracer, budget=budget, static_share=None, mem_cache=0,
-        prefetch=prefetch, copy_stream=None, owners=owners, load_unit=GROUP,
+        prefetch=prefetch, owners=owners, load_unit=GROUP,
     )  # fmt: skip
     residency.checking = True
     return residency, owners

@@ -136,6 +136,9 @@ def test_elapsed_time_covers_the_work_between_two_events():
         start = side.record_event()
         device.copy(torch.empty(4), torch.ones(4), side)
         end = side.record_event()
+        with pytest.raises(RuntimeError, match="not completed"):
+            start.elapsed_time(end)
+        end.synchronize()
         assert end.elapsed_time(start) < 0 < start.elapsed_time(end)
         assert start.elapsed_time(end) >= 15
 
