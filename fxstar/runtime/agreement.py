@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fxstar.errors import RankMismatchError
-from fxstar.runtime.rank_group import RankGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, host_process_group
 
 __all__ = ["RankMismatchError", "agree", "fingerprint", "mismatch_message"]
 
@@ -199,7 +199,7 @@ def mismatch_message(prints: Sequence[Mapping], texts: Sequence[str] | None = No
 
 
 def _all_gather(obj: Any, group: RankGroup | None, purpose: str) -> list[Any]:
-    pg = process_group(group)
+    pg = host_process_group(group)
     out: list[Any] = [None] * dist.get_world_size(pg)
     with guard(f"all_gather_object ({purpose}, at compile)", group):
         dist.all_gather_object(out, obj, group=pg)

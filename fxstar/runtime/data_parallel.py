@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.rank_group import RankGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, host_process_group, process_group
 
 if TYPE_CHECKING:
     from fxstar.runtime.chunk import Chunk
@@ -65,6 +65,7 @@ class ChunkGroups:
         # ZeRO-3: a rank holds its own chunks' homes only; the others come from their owner
         self.sharded = sharded
         self.pg = process_group(group)
+        self.host_pg = host_process_group(group)  # host tensors and objects (NCCL: its gloo side)
         self.size = size
         self.rank = dist.get_rank(self.pg)
         if dist.get_world_size(self.pg) != size:
@@ -78,6 +79,11 @@ class ChunkGroups:
         self.bytes_fetched = 0  # sharded: payload bytes that came from their owner
         self.peak_staging_bytes = 0  # sharded: the most gradient staging held at once
         self.plans_from_rank_0 = 0  # sharded: chunk plans the ranks derived unlike (agree_plan)
+
+    def _pg(self, tensor: torch.Tensor) -> object:
+        """The group a collective on `tensor` runs on: a host tensor (a host-tier home, a
+        flag, a CRC) goes on the host group, which a backend without host tensors needs."""
+        return self.pg if tensor.device.type != "cpu" else self.host_pg
 
     def owner(self, chunk_id: int) -> int:
         return chunk_id % self.size
@@ -136,7 +142,9 @@ class ChunkGroups:
         (`arrived`) before the payload is read or its block reused."""
         owner = self.owner(chunk_id)
         with self._guard(f"fetching chunk {chunk_id} from rank {owner}"):
-            work = dist.broadcast(payload, group=self.pg, group_src=owner, async_op=not wait)
+            work = dist.broadcast(
+                payload, group=self._pg(payload), group_src=owner, async_op=not wait
+            )
         if owner == self.rank:
             self.bytes_sent += payload.nbytes
         else:
@@ -151,7 +159,7 @@ class ChunkGroups:
         size = block.numel() // self.size
         own = block[self.rank * size : (self.rank + 1) * size]
         with self._guard(f"all-gathering chunks {first} to {first + self.size - 1}"):
-            work = dist.all_gather_single(block, own, group=self.pg, async_op=not wait)
+            work = dist.all_gather_single(block, own, group=self._pg(block), async_op=not wait)
         self.bytes_sent += own.nbytes
         self.bytes_fetched += block.nbytes - own.nbytes
         return work
@@ -169,12 +177,12 @@ class ChunkGroups:
         on their owners; this rank's sum, or None when it owns none of them."""
         if len(owners) == 1:
             with self._guard("reducing a chunk's gradient to its owner"):
-                dist.reduce(staged, group=self.pg, group_dst=owners[0])
+                dist.reduce(staged, group=self._pg(staged), group_dst=owners[0])
             self.bytes_sent += staged.nbytes
             return staged if owners[0] == self.rank else None
         out = self._buffer(chunk_size, staged, "data_parallel_out")
         with self._guard("reduce-scattering gradients to their owners"):
-            dist.reduce_scatter_single(out, staged, group=self.pg)
+            dist.reduce_scatter_single(out, staged, group=self._pg(out))
         self.bytes_sent += staged.nbytes
         return out
 
@@ -182,7 +190,7 @@ class ChunkGroups:
         """Element-wise max over the ranks (a flag set on any rank is set on all)."""
         flags = flags.to(torch.int32)
         with self._guard("agreeing which parameters got gradients"):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg(flags))
         return flags.bool()
 
     def _one_per_owner(self, tensors: list[torch.Tensor], collective, what: str) -> None:
@@ -201,7 +209,7 @@ class ChunkGroups:
         mine = grads[self.rank]
         if self.mem_saving:  # gloo's reduce overwrites the input of the other ranks: they
             # drop their gradients anyway (reduce_to_owners gives their rooms back)
-            self._one_per_owner(grads, lambda t, owner: dist.reduce(t, group=self.pg,
+            self._one_per_owner(grads, lambda t, owner: dist.reduce(t, group=self._pg(t),
                                                                     group_dst=owner),
                                 "reducing gradients to their owner")  # fmt: skip
             return mine if mine.numel() else None
@@ -211,7 +219,7 @@ class ChunkGroups:
         for i, grad in enumerate(grads):
             stacked[i * chunk_size : i * chunk_size + grad.numel()].copy_(grad)
         with self._guard("reduce-scattering gradients to their owners"):
-            dist.reduce_scatter_single(out, stacked, group=self.pg)
+            dist.reduce_scatter_single(out, stacked, group=self._pg(out))
         self.bytes_sent += stacked.nbytes
         if not mine.numel():
             return None
@@ -221,7 +229,7 @@ class ChunkGroups:
     def gather_group(self, homes: list[torch.Tensor], chunk_size: int) -> None:
         """Every rank's `homes[i]` becomes owner i's (each `used` long, fp32)."""
         if self.mem_saving:
-            self._one_per_owner(homes, lambda t, owner: dist.broadcast(t, group=self.pg,
+            self._one_per_owner(homes, lambda t, owner: dist.broadcast(t, group=self._pg(t),
                                                                        group_src=owner),
                                 "broadcasting updates from their owner")  # fmt: skip
             return
@@ -231,7 +239,7 @@ class ChunkGroups:
         own = homes[self.rank]
         mine[: own.numel()].copy_(own)
         with self._guard("all-gathering updated parameters"):
-            dist.all_gather_single(gathered, mine, group=self.pg)
+            dist.all_gather_single(gathered, mine, group=self._pg(gathered))
         self.bytes_sent += mine.nbytes
         for i, home in enumerate(homes):
             if i != self.rank and home.numel():
@@ -241,7 +249,7 @@ class ChunkGroups:
         """Every rank's tensors become the mean over the ranks (in place)."""
         with self._guard("averaging gradients"):
             for t in tensors:
-                dist.all_reduce(t, group=self.pg)
+                dist.all_reduce(t, group=self._pg(t))
                 t.div_(self.size)
                 self.bytes_sent += t.nbytes
 
@@ -249,7 +257,7 @@ class ChunkGroups:
         """Rank 0's values everywhere (a replica starts as rank 0's model, as DDP's does)."""
         with self._guard(f"broadcasting {what} from rank 0"):
             for t in tensors:
-                dist.broadcast(t, group=self.pg, group_src=0)
+                dist.broadcast(t, group=self._pg(t), group_src=0)
 
     # -- the chunks' side ---------------------------------------------------------------------
 
@@ -315,10 +323,10 @@ class ChunkGroups:
                     for slot in chunk.slots:
                         span = slice(slot.offset, slot.offset + slot.numel)
                         values[span].copy_(masters[slot.name].reshape(-1))
-                    dist.send(values, group=self.pg, group_dst=owner)
+                    dist.send(values, group=self._pg(values), group_dst=owner)
                     self.bytes_sent += values.nbytes
                 elif self.rank == owner:
-                    dist.recv(chunk.fp32_home, group=self.pg, group_src=0)
+                    dist.recv(chunk.fp32_home, group=self._pg(chunk.fp32_home), group_src=0)
 
     def full_parameters(self, chunks: StepChunks) -> dict[str, torch.Tensor]:
         """Sharded: every chunk's fp32 parameters under each of their names, on every rank
@@ -333,7 +341,7 @@ class ChunkGroups:
                     values = torch.empty(chunk.used, dtype=torch.float32)
                 else:
                     values = chunk.fp32_home
-                dist.broadcast(values, group=self.pg, group_src=self.owner(chunk.id))
+                dist.broadcast(values, group=self._pg(values), group_src=self.owner(chunk.id))
                 for slot in chunk.slots:
                     view = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     for name in (slot.name, *slot.aliases):
@@ -348,7 +356,7 @@ class ChunkGroups:
         length = -1 if measured is None else len(measured)
         count = torch.tensor([length, -length], dtype=torch.int64)
         with self._guard("agreeing the measured step"):
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.pg)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._pg(count))
             if int(count[1]) == 1:  # some rank has none
                 return None
             if int(count[0]) != -int(count[1]):
@@ -357,7 +365,7 @@ class ChunkGroups:
                     f"({-int(count[1])} to {int(count[0])} accesses); they must run one graph"
                 )
             values = torch.tensor(list(measured), dtype=torch.int64)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._pg(values))
         return tuple(int(v) for v in values)
 
     def agree_plan(self, plan: ChunkPlan) -> ChunkPlan:
@@ -371,11 +379,11 @@ class ChunkGroups:
         mine = torch.tensor([zlib.crc32(what.encode())], dtype=torch.int64)
         every = torch.zeros(self.size, dtype=torch.int64)
         with self._guard("agreeing the chunk plan"):
-            dist.all_gather_single(every, mine, group=self.pg)
+            dist.all_gather_single(every, mine, group=self._pg(every))
             if bool((every == every[0]).all()):
                 return plan
             theirs = [(plan.access, plan.budget, plan.static_share)]
-            dist.broadcast_object_list(theirs, group=self.pg, group_src=0)
+            dist.broadcast_object_list(theirs, group=self.host_pg, group_src=0)
         access, budget, static_share = theirs[0]
         self.plans_from_rank_0 += 1
         return dataclasses.replace(plan, access=access, budget=budget, static_share=static_share)
@@ -398,7 +406,7 @@ class ChunkGroups:
         """The smallest `value` of any rank (a margin every rank has)."""
         least = torch.tensor([value], dtype=torch.int64)
         with self._guard("agreeing the device half's margin"):
-            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.pg)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self._pg(least))
         return int(least)
 
     def start_alike(self, chunks: StepChunks) -> None:

@@ -53,12 +53,16 @@ class GradNorm:
         if self.data_parallel is not None:  # the ranks' own chunks partition the model
             with rank_group.guard("summing the gradient norm and overflow (data parallel)",
                           self.data_parallel):  # fmt: skip
-                dist.all_reduce(stats, group=rank_group.process_group(self.data_parallel))
+                dist.all_reduce(
+                    stats, group=rank_group.process_group_for(self.data_parallel, stats)
+                )
         if self.tensor_parallel is not None:
             partial = stats[[0, 2]].clone()  # the replicated part is the same on every rank
             with rank_group.guard("summing the gradient norm and overflow (tensor parallel)",
                           self.tensor_parallel):  # fmt: skip
-                dist.all_reduce(partial, group=rank_group.process_group(self.tensor_parallel))
+                dist.all_reduce(
+                    partial, group=rank_group.process_group_for(self.tensor_parallel, partial)
+                )
             stats[0], stats[2] = partial[0], partial[1]
         total = float(stats[0] + stats[1])
         return total, bool(stats[2] == 0) and math.isfinite(total)

@@ -71,10 +71,6 @@ class GradShards:
         self.dtype = layout.dtype
         self.take = take  # the owner's accumulation of its averaged share, slot by slot
         self.per_unit = 1 if groups.mem_saving else groups.size
-        # NCCL reduces device tensors; gloo host ones
-        backend = dist.get_backend(groups.pg)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-            else torch.device("cpu")  # fmt: skip
         self.expected: dict[int, int] = {}  # unit -> leaves fetched whose gradients will come
         self.arrived: dict[int, int] = {}  # unit -> gradients handed over
         self.staged: dict[int, torch.Tensor] = {}  # unit -> its staging buffer
@@ -97,7 +93,7 @@ class GradShards:
         if buffer is None:
             if len(self.staged) >= MAX_STAGED:  # the longest staged goes with what it has
                 self._reduce(next(iter(self.staged)), partial=True)
-            buffer = self.staged[unit] = self._stage()
+            buffer = self.staged[unit] = self._stage(grad.device)
             self.names[unit] = set()
         start = (slot.chunk - unit * self.per_unit) * self.chunk_size + slot.offset
         view = buffer[start : start + slot.numel].view(slot.shape)
@@ -122,13 +118,15 @@ class GradShards:
         self.expected.clear()
         self.arrived.clear()
 
-    def _stage(self) -> torch.Tensor:
+    def _stage(self, device: torch.device) -> torch.Tensor:
+        """A zeroed staging buffer where the gradients are (the compute tier: under NCCL a
+        card, whose reduction stays on it; on the host the host group reduces it)."""
         numel = self.per_unit * self.chunk_size
-        if self.spare:
+        if self.spare and self.spare[-1].device == device:
             buffer = self.spare.pop()
             buffer.zero_()  # slots no leaf wrote are summed too
         else:
-            buffer = torch.zeros(numel, dtype=self.dtype, device=self.device)
+            buffer = torch.zeros(numel, dtype=self.dtype, device=device)
         held = (len(self.staged) + 1) * buffer.nbytes
         self.groups.peak_staging_bytes = max(self.groups.peak_staging_bytes, held)
         return buffer

@@ -10,6 +10,12 @@ Under a 2-D mesh (fxstar/mesh.py) a group spans only some ranks: a group rank is
 global rank, so rooted collectives name their root by its group rank (torch's `group_src`,
 `group_dst`).
 
+Backends without host tensors (NCCL): each group has a gloo group of the same ranks made
+beside it (`host_pg`, torchtitan's CPU side group), and a collective on host tensors or pickled
+objects runs there (`process_group_for`, `host_process_group`): the rank agreement, the step
+check, plan CRCs, the gradient norm's sums and the host tier's chunk traffic. Under gloo both
+are one group.
+
 Failures: an engine's group is made with `plan.dist_timeout`, so a rank that stopped (crashed,
 skipped a step, diverged) makes the others raise a `CollectiveError` naming the collective
 instead of waiting out gloo's 30 minutes (`guard`). Before each collective `guard` checks that
@@ -38,7 +44,9 @@ __all__ = [
     "group_timeout",
     "guard",
     "new_group",
+    "host_process_group",
     "process_group",
+    "process_group_for",
     "release_group",
 ]
 
@@ -52,10 +60,12 @@ class RankGroup(nn.Module):
 
     def __init__(
         self, pg: Any, timeout: float | None, ranks: list[int] | None = None,
-        steps: StepCursor | None = None,
+        steps: StepCursor | None = None, host_pg: Any = None,
     ):  # fmt: skip
         super().__init__()
         self.pg = pg  # dist.ProcessGroup; None: torch's default group
+        # the same ranks for host tensors and objects (gloo); None: `pg` takes them
+        self.host_pg = host_pg
         self.timeout = timeout  # seconds; None: the default group's (torch's)
         self.ranks = ranks  # the global ranks in group-rank order; None: every rank
         self.stream: RankStream | None = None  # this rank's RNG stream, once made
@@ -67,8 +77,8 @@ class RankGroup(nn.Module):
 
     def release(self) -> None:
         """Destroy the process group (its engine is closed or freed); twice is harmless."""
-        pg, self.pg, self.stream = self.pg, None, None
-        side = self.steps.pg if self.steps is not None and self.steps.pg is not pg else None
+        pg, side = self.pg, self.host_pg if self.host_pg is not self.pg else None
+        self.pg = self.host_pg = self.stream = None
         self.buffers.clear()
         self.steps = None
         if pg is None or not dist.is_initialized():
@@ -119,7 +129,7 @@ def new_group(timeout: float, partition: list[list[int]] | None = None) -> RankG
             "tensor_parallel). Look for the first error in the other ranks' output; "
             f"plan.dist_timeout bounds the wait.\n  backend said: {error}"
         ) from error
-    return RankGroup(pg, float(timeout), ranks, StepCursor(side))
+    return RankGroup(pg, float(timeout), ranks, StepCursor(side), host_pg=side)
 
 
 def release_group(group: RankGroup | None) -> None:
@@ -138,6 +148,20 @@ def process_group(group: RankGroup | None) -> Any:
             "freed; compile the model again"
         )
     return group.pg
+
+
+def host_process_group(group: RankGroup | None) -> Any:
+    """The ProcessGroup for host tensors and pickled objects on `group`'s ranks: its gloo side
+    group under NCCL, the group itself under gloo; None stays None (torch's default group)."""
+    pg = process_group(group)
+    return pg if group is None or group.host_pg is None else group.host_pg
+
+
+def process_group_for(group: RankGroup | None, tensor: Any) -> Any:
+    """The ProcessGroup a collective on `tensor` runs on: the host one for a host tensor."""
+    if getattr(tensor, "device", None) is not None and tensor.device.type != "cpu":
+        return process_group(group)
+    return host_process_group(group)
 
 
 def group_timeout(group: RankGroup | None) -> float | None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxstar.runtime.rank_group import RankGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, process_group, process_group_for
 from fxstar.runtime.rank_stream import RankStream
 from fxstar.runtime.tp_ops import full_shape, own_tokens
 
@@ -56,8 +56,8 @@ def new_stream(group: RankGroup) -> RankStream:
     rank)."""
     if group.stream is not None:
         return group.stream
-    pg = process_group(group)
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+    pg = process_group_for(group, seed)
     with guard("broadcast of the RNG tracker's seed", group):
         dist.broadcast(seed, group=pg, group_src=0)
     group.stream = RankStream(int(seed.item()) + SEED_OFFSET + dist.get_rank(pg))

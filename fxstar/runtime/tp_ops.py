@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from fxstar.runtime.buffer_pool import BufferPool
-from fxstar.runtime.rank_group import RankGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, process_group, process_group_for
 
 __all__ = [
     "Collectives",
@@ -100,6 +100,11 @@ class Collectives:
         self.rank = dist.get_rank(self.pg)
         self.world = dist.get_world_size(self.pg)
 
+    def pg_for(self, tensor: torch.Tensor) -> Any:
+        """The group a collective on `tensor` runs on (a host tensor under NCCL: the gloo
+        group beside the group, rank_group.process_group_for)."""
+        return process_group_for(self.group, tensor)
+
     def in_backward(self) -> Collectives:
         """The same collectives, named as the caller's backward in errors."""
         other = Collectives(self.mem_saving, self.group, self.op, "backward")
@@ -114,7 +119,7 @@ class Collectives:
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
         """out (contiguous, N times x's elements) = every rank's x, concatenated in rank
         order: [N, *x.shape], or the full activation of N token blocks."""
-        pg = self.pg
+        pg = self.pg_for(out)
         flat, own = out.view(self.world, -1), x.contiguous().view(-1)
         if not self.mem_saving:
             return self._issue("all_gather", lambda: [
@@ -129,7 +134,7 @@ class Collectives:
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
         """out = sum over ranks of their rank-th block of x (x contiguous, N times out's
         elements: [N, *out.shape], or the full activation of N token blocks)."""
-        pg = self.pg
+        pg = self.pg_for(out)
         parts = x.view(self.world, -1)
         if not self.mem_saving:
             flat = out.view(-1)
@@ -150,18 +155,18 @@ class Collectives:
 
     def broadcast(self, x: torch.Tensor, src: int) -> None:
         """x becomes rank `src`'s x (a group rank), in place."""
-        pg = self.pg
+        pg = self.pg_for(x)
         self._issue("broadcast", lambda: [dist.broadcast(x, group=pg, group_src=src)]).wait()
 
     def reduce(self, x: torch.Tensor, dst: int) -> None:
         """Rank `dst`'s x becomes the sum of every rank's (gloo overwrites the others')."""
-        pg = self.pg
+        pg = self.pg_for(x)
         self._issue("reduce", lambda: [dist.reduce(x, group=pg, group_dst=dst)]).wait()
 
     def all_reduce(
         self, x: torch.Tensor, async_op: bool = False, op: Any = dist.ReduceOp.SUM
     ) -> _Works:
-        pg = self.pg
+        pg = self.pg_for(x)
         return self._issue("all_reduce", lambda: [
             dist.all_reduce(x, op=op, group=pg, async_op=async_op)
         ])  # fmt: skip
@@ -210,7 +215,7 @@ def gather_shards(x: torch.Tensor, group: RankGroup | None = None) -> list[torch
     comm = Collectives(group=group)
     out = [torch.empty_like(x) for _ in range(comm.world)]
     with guard("all_gather of a parameter's shards (state_dict)", group):
-        dist.all_gather(out, x.contiguous(), group=comm.pg)
+        dist.all_gather(out, x.contiguous(), group=comm.pg_for(x))
     return out
 
 

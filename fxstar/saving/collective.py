@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fxstar.errors import CheckpointError
-from fxstar.runtime.rank_group import RankGroup, guard, process_group
+from fxstar.runtime.rank_group import RankGroup, guard, host_process_group, process_group
 
 
 def rank_in(group: RankGroup | None) -> int:
@@ -26,7 +26,7 @@ def gather_to_rank_zero(group: RankGroup | None, give: Callable[[], Any]) -> lis
         mine: Any = give()
     except Exception as caught:
         mine = _Failed(f"{type(caught).__name__}: {caught}")
-    pg = process_group(group)
+    pg = host_process_group(group)
     rank = rank_in(group)
     gathered: list[Any] | None = [None] * dist.get_world_size(pg) if rank == 0 else None
     # on the engine's group: bounded by plan.dist_timeout, a failure named (not a hang)
@@ -71,5 +71,5 @@ def from_rank_zero(value: Any, group: RankGroup | None) -> Any:
     """Rank 0's `value` on every rank (the others' is ignored)."""
     box = [value]
     with guard("broadcast_object_list (checkpoint save)", group):
-        dist.broadcast_object_list(box, group=process_group(group), group_src=0)
+        dist.broadcast_object_list(box, group=host_process_group(group), group_src=0)
     return box[0]
