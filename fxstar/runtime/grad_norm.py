@@ -6,8 +6,8 @@ whole copies of the replicated ones (norms, row linears' biases, embeddings left
 under data parallelism HybridAdam sees the rank's own chunks only. The model's sum of
 squares is the shards' summed over the tensor-parallel group plus the replicated ones
 counted once, each first summed over the data-parallel ranks (whose own chunks partition the
-model); an overflow on any rank is everyone's. Summing a rank's shards alone made each rank
-clip by (and skip on) a norm of its own, and the replicated weights drifted apart.
+model); an overflow on any rank is everyone's. A rank that summed its own shards alone would
+clip by (and skip on) a norm of its own, and the replicated weights would drift apart.
 """
 
 from __future__ import annotations
