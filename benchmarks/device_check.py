@@ -14,7 +14,9 @@ reports real device memory:
   tight budget, its weights read from a safetensors file of the eager model's into pinned
   host homes: the model never exists on the device, nor twice on the host.
 On a CPU-only machine the same checks run on the CPU (the device-only facts are skipped), so
-the script itself is tested everywhere.
+the script itself is tested everywhere; `--device simulated` runs them on the CPU through
+fxstar.testing.SimulatedDevice, whose copies between the tiers run later on worker threads
+(a missing wait reads NaN there), as the suite does.
 
     python benchmarks/device_check.py                       # cuda when there is one
     python benchmarks/device_check.py --device cpu --layers 2 --width 64 --json check.json
@@ -23,6 +25,7 @@ the script itself is tested everywhere.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import tempfile
@@ -35,6 +38,8 @@ from gpt_setup import add_gpt_args
 import fxstar
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.chunk_layout import nonmodel_peak
+from fxstar.runtime.device import using_device
+from fxstar.testing.async_device import SimulatedDevice
 from fxstar.weights import write_safetensors
 
 OPTIMIZER = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
@@ -142,13 +147,28 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="a torch device, or 'simulated': the CPU through "
+                        "fxstar.testing.SimulatedDevice")  # fmt: skip
     add_gpt_args(parser)
     parser.set_defaults(width=512, heads=8, layers=8, batch_size=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    simulated = args.device == "simulated"
+    device = torch.device("cpu" if simulated else args.device)
+    with contextlib.ExitStack() as stack:
+        if simulated:  # every engine's asynchronous work on it
+            stack.enter_context(using_device(stack.enter_context(SimulatedDevice(seed=0))))
+        checks = run_checks(args, device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "simulated asynchronous device" if simulated else "cpu"
+    return report(args, device, name, checks)
+
+
+def run_checks(args, device: torch.device) -> list[Check]:
     tight, roomy = budget(args, device, 0.6), budget(args, device, 2.0)
     base = fxstar.Plan(optimizer=OPTIMIZER, device_memory=tight, hybrid_adam=False)
     checks = [
@@ -164,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         ),  # fmt: skip
         run("meta", args, device, base, 1e-4, meta=True),
     ]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return checks
+
+
+def report(args, device: torch.device, name: str, checks: list[Check]) -> int:
+    """The table (and --json); 0 when every check passed."""
     print(f"device {device} ({name}); GPT {args.layers} layers, d={args.width}, "
           f"batch {args.batch_size} x {args.seq_len}")  # fmt: skip
     header = (f"{'check':<8} {'ok':<4} {'loss err':>9} {'param err':>9} {'budget':>12} "

@@ -10,12 +10,18 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "device_check.py"
 
 
-def test_every_check_passes_on_the_cpu(tmp_path, capsys, monkeypatch):
+def device_check(monkeypatch):
+    """benchmarks/device_check.py as a module."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run as a script: gpt_setup
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
+    return module
+
+
+def test_every_check_passes_on_the_cpu(tmp_path, capsys, monkeypatch):
+    module = device_check(monkeypatch)
     out = tmp_path / "check.json"
     code = module.main(["--device", "cpu", "--layers", "4", "--width", "256", "--heads", "4",
                         "--vocab", "2048", "--seq-len", "128", "--batch-size", "2",
@@ -25,3 +31,18 @@ def test_every_check_passes_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert set(checks) == {"chunks", "overlap", "hybrid", "offload", "meta"}
     assert checks["hybrid"]["facts"]["kept chunks"] != "0/1"
     assert "gradient copies hidden" in checks["overlap"]["facts"]
+
+
+def test_every_check_passes_on_the_simulated_device(tmp_path, capsys, monkeypatch):
+    """Every check end to end with its copies between the tiers on worker threads
+    (fxstar.testing.SimulatedDevice): prefetch and overlapped copies on, as on a card."""
+    module = device_check(monkeypatch)
+    out = tmp_path / "check.json"
+    code = module.main(["--device", "simulated", "--layers", "2", "--width", "64", "--heads",
+                        "2", "--vocab", "256", "--seq-len", "32", "--batch-size", "2",
+                        "--steps", "2", "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert set(checks) == {"chunks", "overlap", "hybrid", "offload", "meta"}
+    assert checks["hybrid"]["facts"]["kept chunks"] != "0/7"
+    assert all("gradient copies hidden" in c["facts"] for c in checks.values())

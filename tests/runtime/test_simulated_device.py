@@ -20,12 +20,17 @@ import fxstar
 from fxstar.dist_launch import spawn
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.plan import Plan
+from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.device import using_device
+from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.testing.async_device import SimulatedDevice
 
 OPT = {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1}
 STEPS = 3
 DATA_PARALLEL = {"chunk_size": 4096, "optimizer": {**OPT, "clip_grad_norm": 0.5}}
+# every copy lands 2 to 5 ms after it could have run: longer than the compute between a
+# prefetch and its access here, so what reads a copy it did not wait for reads NaN
+DELAYS = {"min_delay": 2e-3, "max_delay": 5e-3}
 
 
 @functools.cache
@@ -158,7 +163,7 @@ EXERCISED = {
 def check(case: str, *, checkpoint_dir=None) -> None:
     """The case on the simulated device exercised what it is named for and trained bit for
     bit as on the CPU."""
-    with SimulatedDevice(seed=1, max_delay=1e-3) as device:
+    with SimulatedDevice(seed=1, **DELAYS) as device:
         simulated = run(case, device, checkpoint_dir=checkpoint_dir)
     assert all(simulated["facts"][fact] for fact in EXERCISED[case]), simulated["facts"]
     assert_bitwise(simulated["record"], run(case, None, checkpoint_dir=checkpoint_dir)["record"])
@@ -182,3 +187,98 @@ def _data_parallel(rank: int, world: int) -> None:
 
 def test_data_parallel_world_2():
     spawn(_data_parallel, 2)
+
+
+# -- the gradient copies' waits a whole step cannot reach: a slot's second gradient in one
+# backward, and what a backward that raised leaves in flight. A manager of two chunks of one
+# 8x8 parameter each, on a device whose copies land 20 ms late.
+
+N = 64
+
+
+def two_chunks(device: SimulatedDevice, dtype: torch.dtype) -> ChunkManager:
+    specs = [ChunkSpec(i, [ParamSlot(f"p{i}", (f"p{i}",), i, 0, (8, 8), True)], N)
+             for i in range(2)]  # fmt: skip
+    layout = ChunkLayout(N, dtype, specs)
+    params = {f"p{i}": torch.full((8, 8), float(i + 1)) for i in range(2)}
+    return ChunkManager(layout, params, budget=2 * layout.chunk_bytes,
+                        arena_capacity=2 * layout.chunk_bytes, device=device,
+                        overlap_grad_copies=True)  # fmt: skip
+
+
+def late() -> SimulatedDevice:
+    return SimulatedDevice(seed=2, min_delay=0.02, max_delay=0.02)
+
+
+def forward(m: ChunkManager, order: list[int]) -> list[torch.Tensor]:
+    """Each access's parameter leaf (a chunk fetched twice gives two leaves of one slot)."""
+    leaves = []
+    for c in order:
+        leaves.append(m.fetch(c)[f"p{c}"])
+        m.release(c)
+    return leaves
+
+
+class RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward raised")
+
+
+def grad_of(m: ChunkManager, name: str) -> torch.Tensor:
+    return m.slot_grad(m.layout.slots()[name]).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_second_gradient_in_one_backward_adds_to_what_the_first_copy_brought(dtype):
+    with late() as device:
+        m = two_chunks(device, dtype)
+        order = [0, 1, 0]
+        with m.running(AccessPlan(order, ["forward"] * 3, [0] * 3, [1] * 3)):
+            first, _, second = forward(m, order)
+            (first * 2 + second * 3).float().sum().backward()
+        assert torch.equal(grad_of(m, "p0"), torch.full((8, 8), 5.0))
+        m.close()
+
+
+def raised_backward(m: ChunkManager) -> None:
+    """A backward whose first gradient copy (chunk 0's) is in flight when it raises: its
+    end-of-graph wait never runs."""
+    with m.running(AccessPlan([1, 0], ["forward"] * 2, [0] * 2, [1] * 2)):
+        w1, w0 = forward(m, [1, 0])
+        loss = RaiseInBackward.apply(w1).sum() + (w0 * 2).sum()  # w0's gradient comes first
+        with pytest.raises(RuntimeError, match="backward raised"):
+            loss.backward()
+
+
+def test_zero_grad_after_a_backward_that_raised_leaves_zeros():
+    with late() as device:
+        m = two_chunks(device, torch.float32)
+        raised_backward(m)
+        m.zero_grad(set_to_none=False)
+        assert torch.count_nonzero(m.stable["p0"].grad) == 0
+        m.close()
+
+
+def test_the_step_after_a_backward_that_raised_waits_for_its_copies():
+    with late() as device:
+        m = two_chunks(device, torch.float32)
+        raised_backward(m)
+        with m.running(AccessPlan([0, 1], ["forward"] * 2, [0] * 2, [1] * 2)):
+            w0, w1 = forward(m, [0, 1])
+            (w0 * 3 + w1 * 4).sum().backward()
+        assert torch.equal(grad_of(m, "p0"), torch.full((8, 8), 5.0))  # 2 left behind, 3
+        assert torch.equal(grad_of(m, "p1"), torch.full((8, 8), 4.0))
+        m.close()
+
+
+def test_close_after_a_backward_that_raised_keeps_the_gradients_that_arrived():
+    with late() as device:
+        m = two_chunks(device, torch.float32)
+        raised_backward(m)
+        m.close()
+        assert torch.equal(m.stable["p0"].grad, torch.full((8, 8), 2.0))
