@@ -28,11 +28,8 @@ import fxstar
 import fxstar.saving as ckpt
 from fxstar.saving import directory, file_format
 
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """An engine and its checkpoint after two steps; tests damage copies of the checkpoint."""
-    return save_trained(tmp_path_factory)
+# an engine and its checkpoint after two steps, once per module; tests damage copies of it
+saved = pytest.fixture(save_trained, scope="module", name="saved")
 
 
 def test_a_save_failing_halfway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -28,11 +28,8 @@ from fxstar.saving import collective, view_of
 from fxstar.saving.layouts import DataParallelRanks
 from fxstar.saving.verified_reads import read_rank_state
 
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """An engine and its checkpoint after two steps; tests damage copies of the checkpoint."""
-    return save_trained(tmp_path_factory)
+# an engine and its checkpoint after two steps, once per module; tests damage copies of it
+saved = pytest.fixture(save_trained, scope="module", name="saved")
 
 
 class _OneRank:

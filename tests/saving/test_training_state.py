@@ -24,11 +24,8 @@ from fxstar.engine import compile
 from fxstar.plan import Plan
 from fxstar.runtime.loss_scale import LossScaler
 
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """An engine and its checkpoint after two steps; tests damage copies of the checkpoint."""
-    return save_trained(tmp_path_factory)
+# an engine and its checkpoint after two steps, once per module; tests damage copies of it
+saved = pytest.fixture(save_trained, scope="module", name="saved")
 
 
 def test_training_state_needs_somewhere_to_go(tmp_path):

@@ -24,11 +24,8 @@ import fxstar.saving as ckpt
 from fxstar.engine import compile
 from fxstar.plan import Plan
 
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """An engine and its checkpoint after two steps; tests damage copies of the checkpoint."""
-    return save_trained(tmp_path_factory)
+# an engine and its checkpoint after two steps, once per module; tests damage copies of it
+saved = pytest.fixture(save_trained, scope="module", name="saved")
 
 
 def test_a_flipped_bit_is_an_error_naming_the_file_and_the_tensor(saved, tmp_path):
