@@ -1,12 +1,12 @@
 """One copy of a chunk payload or gradient, through fxstar._C wherever both ends are host memory.
 
 torch's `copy_` forks its whole OpenMP team for a large CPU copy and joins every thread of it,
-so on a busy machine it waits for the slowest of them (docs/results.md). `_C.copy_into`
-copies 1 MiB blocks in the caller while at most COPY_THREADS - 1 helpers take blocks from the same counter, waits for
-no helper that is not running (csrc/tier_copy.hpp), and releases the GIL. Every chunk move and
-gradient copy on the CPU path goes through `copy_payload`, so the choice of path lives in one
-place; what it cannot take (another device, a dtype conversion, a strided view, a broadcast)
-stays torch's.
+so on a busy machine it waits for the slowest of them (docs/results.md). `_C.copy_into` copies
+1 MiB blocks in the caller while at most COPY_THREADS - 1 helpers take blocks from the same
+counter, waits for no helper that is not running (csrc/tier_copy.hpp), and releases the GIL.
+Every chunk move and gradient copy on the CPU path goes through `copy_payload`, so the choice
+of path lives in one place; what it cannot take (another device, a dtype conversion, a strided
+view, a broadcast) stays torch's.
 """
 
 from __future__ import annotations
