@@ -204,7 +204,7 @@ class ChunkManager:
 
     @property
     def reserved(self) -> list[int]:
-        """Arena blocks kept beside the chunks (fix()), by offset."""
+        """Arena blocks kept beside the chunks (keep()), by offset."""
         return self.compute.reserved
 
     # -- setup ----------------------------------------------------------------------------------
@@ -462,13 +462,13 @@ class ChunkManager:
     def reserved_bytes(self) -> int:
         return self.reservations.reserved_bytes()
 
-    def fix(self, chunk_id: int, *, share_room: bool = False,
+    def keep(self, chunk_id: int, *, share_room: bool = False,
             beside: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
-        """Keep a chunk on the compute tier for good (see Reservations.fix)."""
-        self.reservations.fix(chunk_id, share_room=share_room, beside=beside)
+        """Keep a chunk on the compute tier for good (see Reservations.keep)."""
+        self.reservations.keep(chunk_id, share_room=share_room, beside=beside)
 
-    def unfix(self, chunk_id: int) -> None:
-        """A kept chunk back to the host tier, its blocks freed (see Reservations.unfix).
+    def give_back(self, chunk_id: int) -> None:
+        """A kept chunk back to the host tier, its blocks freed (see Reservations.give_back).
         Between steps: what the last backward left (copies in flight, its last node's pins)
         ends first, as at the start of a step."""
         self.step_chunks.give_back(chunk_id)

@@ -3,7 +3,7 @@
 After a traced training step the optimizer asks how much of the budget the step never needed
 (the margin), reserves blocks of the arena for the moments of some chunks, and keeps those
 chunks on the compute tier for good (fix), so their optimizer step runs there. A plan with
-less room (a later, larger input) has some go back to the host tier first (unfix). The blocks
+less room (a later, larger input) has some go back to the host tier first (give_back). The blocks
 are the compute tier's (runtime/tiers.py), which Residency reads because reserved bytes come
 out of the chunks' share; Reservations makes the decisions and moves the chunks' homes,
 through the Residency and GradAccumulator it is given.
@@ -27,7 +27,7 @@ __all__ = ["Reservations"]
 
 @dataclass
 class _KeptHomes:
-    """A chunk fix() keeps: its host home as it found it, and its reserved blocks."""
+    """A chunk keep() keeps: its host home as it found it, and its reserved blocks."""
 
     home: Home  # on the host tier (its pages given back while kept)
     blocks: list[torch.Tensor] = field(default_factory=list)  # moments, gradient, master
@@ -48,8 +48,8 @@ class Reservations:
         self.grads = grads
         self.homes = homes  # what each stable parameter is a view of: a kept chunk's moves
         self.released_bytes = 0  # host pages of kept chunks given back to the system
-        # what fix() took for each chunk it keeps: its host home as it was (its pages given
-        # back, its tensors kept for unfix), its reserved blocks, the pages released
+        # what keep() took for each chunk it keeps: its host home as it was (its pages given
+        # back, its tensors kept for give_back), its reserved blocks, the pages released
         self._kept: dict[int, _KeptHomes] = {}
 
     def margin(self, ratio: float) -> int:
@@ -101,11 +101,11 @@ class Reservations:
         self.residency.drop_unused()
         return self.compute.reserve(nbytes, dtype)  # ArenaOutOfMemory when fragmented
 
-    def fix(self, chunk_id: int, *, share_room: bool = False,
+    def keep(self, chunk_id: int, *, share_room: bool = False,
             beside: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
         """Keep a chunk on the compute tier for good, with its gradient buffer and (bf16/fp16)
         its fp32 master there too: its optimizer step runs there and nothing of it crosses
-        tiers again (until a plan without room for it: unfix). Its home is then its compute
+        tiers again (until a plan without room for it: give_back). Its home is then its compute
         copy, which the stable parameters view (or its master). `beside`: blocks reserved for
         it already (its moments), freed with its own when it goes back.
 
@@ -156,17 +156,17 @@ class Reservations:
         self.released_bytes += kept.released
         self._kept[chunk_id] = kept
 
-    def unfix(self, chunk_id: int) -> None:
+    def give_back(self, chunk_id: int) -> None:
         """A chunk kept on the compute tier goes back to the host tier: payload, gradients
         (in the payload's room again where they had it) and master into its host home as
-        fix() found it, its blocks freed (its moments too: the optimizer copied them out
+        keep() found it, its blocks freed (its moments too: the optimizer copied them out
         first), the stable parameters views of the host home; it is then paged like any
         other. Between steps only: nothing may be using it."""
         residency = self.residency
         chunk = residency.chunks[chunk_id]
         kept = self._kept.pop(chunk_id, None)
         if not chunk.kept or kept is None:
-            raise ValueError(f"chunk {chunk_id} is not kept on the compute tier by fix()")
+            raise ValueError(f"chunk {chunk_id} is not kept on the compute tier by keep()")
         chunk.drop_pins()  # pins left by an abandoned step
         used = slice(0, chunk.used)
         here, host = chunk.home, kept.home
@@ -178,7 +178,7 @@ class Reservations:
         copy_payload(payload[used], here.payload[used])  # gradients where they had the room
         grad_rooms = set(chunk.grad_slots)
         if host.grad is not None and not here.grad_in_payload:  # a gradient block of its own
-            if host.grad_in_payload:  # back into the payload's room, as fix() found them
+            if host.grad_in_payload:  # back into the payload's room, as keep() found them
                 for slot in present:
                     span = slice(slot.offset, slot.offset + slot.numel)
                     copy_payload(payload[span], here.grad[span])

@@ -170,16 +170,16 @@ class StepChunks:
 
     def keep(self, chunk_id: int, *, share_room: bool = False,
              beside: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
-        """Keep a chunk on the compute tier for good (see Reservations.fix)."""
-        self._reservations.fix(chunk_id, share_room=share_room, beside=beside)
+        """Keep a chunk on the compute tier for good (see Reservations.keep)."""
+        self._reservations.keep(chunk_id, share_room=share_room, beside=beside)
 
     def give_back(self, chunk_id: int) -> None:
-        """A kept chunk back to the host tier, its blocks freed (see Reservations.unfix).
+        """A kept chunk back to the host tier, its blocks freed (see Reservations.give_back).
         Between steps: what the last backward left (copies in flight, its last node's pins)
         ends first, as at the start of a step."""
         self._grads.wait()
         self._saved.unpin_all()
-        self._reservations.unfix(chunk_id)
+        self._reservations.give_back(chunk_id)
 
     def kept_bytes(self) -> int:
         """Compute-tier bytes the chunks kept there for good hold, with their blocks."""

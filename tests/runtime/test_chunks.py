@@ -128,7 +128,7 @@ def test_the_report_gives_the_gradient_copies_share_of_a_training_step():
 
 def test_a_budget_error_lists_the_chunks_kept_on_the_compute_tier_with_their_bytes():
     m = manager(3, resident=3)
-    m.fix(0)  # its payload and its gradient block: two of the three chunks' room
+    m.keep(0)  # its payload and its gradient block: two of the three chunks' room
     with m.running(plan([1, 2])), pytest.raises(ChunkBudgetError) as error:
         m.fetch(1)
         m.fetch(2)
@@ -144,14 +144,14 @@ def test_a_kept_chunk_goes_back_to_the_host_tier_with_its_values_and_gradient():
     with m.running(plan([0])):
         m.fetch(0)["p0"].sum().mul(2.0).backward()  # a gradient of 2 into the host buffer
         m.release(0)
-    m.fix(0)
+    m.keep(0)
     stable = m.stable["p0"]
     assert stable.untyped_storage().data_ptr() == m.arena.buffer.untyped_storage().data_ptr()
     with torch.no_grad():
         stable.add_(5.0)  # an update where it is kept
     stable.grad.add_(1.0)
     m.compute_updated(0)
-    m.unfix(0)
+    m.give_back(0)
     chunk = m.chunks[0]
     assert not chunk.kept and not chunk.resident and m.reserved_bytes() == 0
     assert m.arena.stats()["in_use"] <= len(m.residency.cache) * m.layout.chunk_bytes

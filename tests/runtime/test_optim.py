@@ -368,7 +368,7 @@ def test_kept_bf16_chunks_take_their_gradient_in_the_payload_room(kind):
             loss = call(kind, engine, *tokens(seed=step))
             loss.backward()
             engine.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
         return losses
 
     runs = _bf16_runs(ROOM_MODELS[kind], drive, kind)
