@@ -129,7 +129,7 @@ def run(
         check.max_param_error = max(check.max_param_error, error)
     manager = engine.chunks
     if manager is not None:
-        check.facts["arena device"] = str(manager.arena.buffer.device)
+        check.facts["arena device"] = str(manager.arena.device)
         check.facts["host homes pinned"] = bool(manager.chunks[0].payload.is_pinned())
         check.facts["kept chunks"] = f"{len(engine.optimizer.device_chunks)}/{len(manager.chunks)}"
         check.facts["bytes to compute per step"] = list(manager.stats.per_step_bytes)[-1:]

@@ -96,7 +96,7 @@ def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
         else:
             engine.step()
             engine.zero_grad()
-    arena = engine.chunks.arena.buffer.numel() if run != "eager" else 0
+    arena = engine.chunks.arena.held_bytes() if run != "eager" else 0
     activations = saved.peak if run == "eager" else engine.chunks.tracer.peak_nonmodel
     return {
         "run": run, "params": params, "baseline_rss": base, "fixed_bytes": base - start_rss,

@@ -374,8 +374,8 @@ def check_budget(plan: AccessPlan, layout: ChunkLayout, program: Program,
 def check_arena(program: Program, plan: AccessPlan, layout: ChunkLayout, budget: int,
                 arena: int) -> None:  # fmt: skip
     """A later capture runs in the engine's arena, made for the first: the chunks it uses at
-    once must fit it, and on a card (where the arena is carved out of the budget beside the
-    first capture's activations) its activations must fit beside it."""
+    once must fit it (its activations are held to each moment's share by check_budget, on a
+    card too: chunk blocks and activations share its allocator, arena.PooledBlocks)."""
     first = "made for the engine's first input; compile the engine with its largest input first"
     pinned = max(plan.pinned_at_once, default=0) * layout.chunk_bytes
     if pinned > arena:
@@ -385,19 +385,6 @@ def check_arena(program: Program, plan: AccessPlan, layout: ChunkLayout, budget:
             f"{format_size(pinned)} of chunks at once, more than the engine's arena of "
             f"{format_size(arena)} ({arena:,} bytes) holds: the arena was {first} "
             "(example_inputs), or use a smaller chunk_size or checkpointing"
-        )
-    if program.compute_device().type == "cpu":
-        return  # activations live outside the arena there
-    staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
-               if layout.ranks > 1 and program.topology.sharded_payloads else 0)  # fmt: skip
-    peak = max(plan.nonmodel_bytes, default=0)
-    if arena + staging + peak > budget:
-        raise ChunkScheduleError(
-            f"this input's activations peak at {format_size(peak)}; beside the engine's arena "
-            f"of {format_size(arena)}"
-            + (f" and {format_size(staging)} of gradient staging" if staging else "")
-            + f" that exceeds device_memory {shown_budget(program.plan, budget)}: the arena "
-            f"was {first} (example_inputs), or checkpoint activations"
         )
 
 
@@ -541,21 +528,25 @@ def note_owners(program: Program, layout: ChunkLayout) -> None:
 def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,
                budget: int | None) -> ChunkPlan:  # fmt: skip
     """The room the chunks have under `budget`, decided here once for the runtime to follow.
-    On a GPU the arena shares the card with activations (and, with sharded data-parallel
-    payloads, the gradient staging), so it leaves them their peak; on a CPU-only machine
-    activations live elsewhere and the share is enforced per moment. Without a budget
-    (bf16/fp16 alone) every chunk stays resident and activations are not budgeted. The
-    first capture's arena is the engine's: later captures run in it (check_arena)."""
+    The arena spans the budget (on a card less the gradient staging of sharded data-parallel
+    payloads) and the chunks' share is enforced per moment, beside that moment's bytes besides
+    chunks: on a CPU-only machine the arena's freed pages go back to the system, on a card
+    chunk blocks come from the allocator activations use (arena.PooledBlocks), so the room
+    activations leave early in forward and late in backward holds chunks (dynamic
+    partition). Without a budget (bf16/fp16 alone) every chunk stays resident and activations
+    are not budgeted. The first capture's arena is the engine's: later captures run in it
+    (check_arena)."""
     device = program.compute_device()
     if budget is None:
         block = -(-layout.chunk_bytes // ARENA_ALIGNMENT) * ARENA_ALIGNMENT  # blocks round up
         capacity = (len(layout.chunks) + 1) * block
     elif device.type == "cpu":
         capacity = budget
-    else:  # sharded payloads: the gradient staging lives on the card too (NCCL)
+    else:  # sharded payloads: the gradient staging lives on the card too (NCCL); the
+        # chunk blocks share the card's allocator with activations (arena.PooledBlocks)
         staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
                    if layout.ranks > 1 and program.topology.sharded_payloads else 0)  # fmt: skip
-        capacity = budget - max(access.nonmodel_bytes, default=0) - staging
+        capacity = budget - staging
     decided = program.engine_decisions
     if decided.arena_capacity is None:
         decided.arena_capacity = capacity

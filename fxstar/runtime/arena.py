@@ -1,4 +1,5 @@
-"""A budgeted memory tier: one buffer allocated once, and tensors that are views into it.
+"""A budgeted memory tier: one buffer allocated once, and tensors that are views into it
+(ArenaBuffer); or blocks of their own from the device's allocator (PooledBlocks, below).
 
 `fxstar._C.Arena` decides offsets; this class owns the bytes (a torch tensor on the tier's
 device: cuda where there is one, the CPU on CPU-only machines) and cuts typed views at those
@@ -7,14 +8,19 @@ offsets. The budget then holds by construction, and fragmentation is real and vi
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from fxstar import _C
 from fxstar.runtime.host import give_back_freed, release_pages
+
+if TYPE_CHECKING:
+    from fxstar.runtime.device import Device
 
 ArenaOutOfMemory = _C.ArenaOutOfMemory
 ALIGNMENT = 256  # bytes: every block is rounded up to this (the C++ arena's minimum)
@@ -109,6 +115,21 @@ class ArenaBuffer:
             )
         return self.buffer[offset : offset + nbytes].view(dtype).view(dims)
 
+    def held_bytes(self) -> int:
+        """Device bytes the tier holds: the whole buffer, whatever its blocks hold."""
+        return self.capacity
+
+    def bytes_at(self, offset: int) -> tuple[torch.Tensor, int]:
+        """The tensor holding byte `offset`, and where in it that byte lies."""
+        return self.buffer, offset
+
+    def position(self, t: torch.Tensor) -> int | None:
+        """Where in the arena `t`'s first element lies; None if it is not the arena's."""
+        storage = self.buffer.untyped_storage().data_ptr()
+        if t.device != self.device or t.untyped_storage().data_ptr() != storage:
+            return None
+        return t.storage_offset() * t.element_size()
+
     def stats(self) -> dict:
         return self.allocator.stats()
 
@@ -116,5 +137,98 @@ class ArenaBuffer:
         s = self.allocator.stats()
         return (
             f"ArenaBuffer(device={self.device}, capacity={_C.format_bytes(s['capacity'])}, "
+            f"in_use={_C.format_bytes(s['in_use'])}, peak={_C.format_bytes(s['peak_in_use'])})"
+        )
+
+
+class PooledBlocks:
+    """A budgeted tier whose blocks are tensors of their own from the compute Device's
+    allocator, the pool activations come from too (torch's caching allocator on a card).
+
+    Why: a card's arena allocated once holds its bytes for the whole step, so it can only be
+    the budget less the activations' peak; chunks would never use the room activations leave
+    early in forward and late in backward. Blocks given back to the device's allocator can
+    hold activations instead, and the chunks' share of the budget follows each moment's bytes
+    besides chunks (Residency.share), as on a CPU-only machine where the arena's freed pages go
+    back to the system. PatrickStar pages chunks through torch's allocator the same way; with
+    `expandable_segments:True` (PYTORCH_CUDA_ALLOC_CONF) a freed chunk block is remapped to
+    hold tensors of other sizes instead of fragmenting the card.
+
+    Offsets still come from `fxstar._C.Arena` over `capacity` bytes: they name blocks (the
+    residency, the saved-tensor handles and the reserved blocks keep one notion of a block),
+    and the arena's bookkeeping (in use, peak, a block's size) reads the same as ArenaBuffer's.
+    """
+
+    def __init__(self, capacity: int, device: Device, *, alignment: int = ALIGNMENT) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity: must be an int of bytes >= 0, got {capacity!r}")
+        self.compute_device = device
+        self.device = device.torch_device
+        self.allocator = _C.Arena(capacity, alignment)
+        self.blocks: dict[int, torch.Tensor] = {}  # offset -> its bytes
+        self._by_storage: dict[int, int] = {}  # a block's storage address -> its offset
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def alloc(self, nbytes: int) -> int:
+        """A zeroed block of `nbytes` (rounded up as the arena's blocks are); its offset.
+        ArenaOutOfMemory when the blocks in use leave no room for it; MemoryError when the
+        device's allocator has none."""
+        offset = self.allocator.alloc(nbytes)
+        size = self.allocator.block_size(offset)
+        try:
+            block = self.compute_device.empty((size,), torch.uint8)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one too
+            self.allocator.free(offset)
+            raise MemoryError(
+                f"cannot allocate a chunk block of {_C.format_bytes(size)} on {self.device} "
+                f"({str(error).splitlines()[0]}); lower the compute tier's budget "
+                "(plan.device_memory)"
+            ) from error
+        block.zero_()  # fresh, as a CPU arena's released pages read
+        self.blocks[offset] = block
+        self._by_storage[block.untyped_storage().data_ptr()] = offset
+        return offset
+
+    def held_bytes(self) -> int:
+        """Device bytes the tier holds: its blocks in use."""
+        return sum(block.numel() for block in self.blocks.values())
+
+    def free(self, offset: int) -> None:
+        """Give the block back to the device's allocator (activations may take it)."""
+        block = self.blocks.pop(offset)
+        del self._by_storage[block.untyped_storage().data_ptr()]
+        self.allocator.free(offset)
+
+    def bytes_at(self, offset: int) -> tuple[torch.Tensor, int]:
+        """The tensor holding byte `offset` (a block's start, or a place inside one: a group's
+        member), and where in it that byte lies."""
+        block = self.blocks.get(offset)
+        if block is not None:
+            return block, 0
+        starts = sorted(self.blocks)
+        start = starts[bisect.bisect_right(starts, offset) - 1] if starts else -1
+        if start < 0 or offset >= start + self.blocks[start].numel():
+            raise KeyError(f"no block holds byte {offset}")
+        return self.blocks[start], offset - start
+
+    def position(self, t: torch.Tensor) -> int | None:
+        """Where in the tier's offsets `t`'s first element lies; None if it is not a block's."""
+        if t.device != self.device:
+            return None
+        offset = self._by_storage.get(t.untyped_storage().data_ptr())
+        if offset is None:
+            return None
+        return offset + t.storage_offset() * t.element_size()
+
+    def stats(self) -> dict:
+        return self.allocator.stats()
+
+    def __repr__(self) -> str:
+        s = self.allocator.stats()
+        return (
+            f"PooledBlocks(device={self.device}, capacity={_C.format_bytes(s['capacity'])}, "
             f"in_use={_C.format_bytes(s['in_use'])}, peak={_C.format_bytes(s['peak_in_use'])})"
         )

@@ -37,7 +37,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from fxstar.runtime.arena import ArenaBuffer
+from fxstar.runtime.arena import ArenaBuffer, PooledBlocks
 from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState, Home
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.data_parallel import ChunkGroups
@@ -123,7 +123,9 @@ class ChunkManager:
         self.stats = ChunkStats()
         self.tracer = MemoryTracer()
         self.planned_capacity = arena_capacity  # what the plan asked (the arena rounds it)
-        self.arena = ArenaBuffer(arena_capacity, self.device)
+        self.arena = (PooledBlocks(arena_capacity, self.compute_device)
+                      if self.compute_device.pooled_chunk_blocks
+                      else ArenaBuffer(arena_capacity, self.device))  # fmt: skip
         self.compute = ComputeTier(self.arena, layout.dtype, self.compute_device)
         self._plan_source: ChunkPlan | None = None  # the ChunkPlan the current step follows
         self._observed: set[int] = set()  # id() of plans a traced step was observed for
@@ -313,7 +315,7 @@ class ChunkManager:
     def _sample(self) -> tuple[int, int]:
         allocated = self.compute_device.memory_allocated()
         if allocated is not None:
-            return self.resident_bytes(), allocated - self.arena.capacity
+            return self.resident_bytes(), allocated - self.arena.held_bytes()
         return self.resident_bytes(), self.tracer.live_bytes
 
     # -- a step ---------------------------------------------------------------------------------

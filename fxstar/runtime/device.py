@@ -135,6 +135,12 @@ class Device(ABC):
     torch_device: torch.device
     #: whether work queued on a side stream may still be running when the call returns
     asynchronous: bool
+    #: whether chunk blocks come from the allocator activations use (arena.PooledBlocks), so
+    #: the chunks' share follows each moment's bytes besides chunks; else one arena buffer
+    pooled_chunk_blocks: bool = False
+    #: whether the residency asserts, at every access, that the chunks resident, the blocks
+    #: kept beside them and the activations alive fit the budget (the simulated device: tests)
+    audits_budget: bool = False
 
     @abstractmethod
     def current_stream(self) -> Stream:
@@ -327,6 +333,7 @@ class AcceleratorDevice(Device):
     targets, others that torch.accelerator drives the same way come with it."""
 
     asynchronous = True
+    pooled_chunk_blocks = True
 
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)

@@ -157,6 +157,8 @@ class Residency:
         self.tracer.record(t, phase, chunk_id, self.resident_bytes(), self.share(t), pinned)
         if self.checking:
             self._check(t)
+        if self.compute_device.audits_budget:
+            self._audit_budget(t)
         if self.prefetch:
             self._prefetch_after(t)
         return chunk
@@ -427,8 +429,10 @@ class Residency:
 
     # -- tensors of the arena -------------------------------------------------------------------
 
-    def arena_ptr(self) -> int:
-        return self.compute.arena_ptr()
+    def position(self, t: torch.Tensor) -> int | None:
+        """Where in the compute tier's blocks `t` starts (bytes, as chunk offsets are), or None
+        when it is not chunk memory there (see ComputeTier.position)."""
+        return self.compute.position(t)
 
     def leaf(self, chunk: Chunk, slot: ParamSlot) -> torch.Tensor:
         """A parameter's values in the chunk's arena copy as a leaf of its own (see
@@ -469,6 +473,19 @@ class Residency:
         if resident > self.share(t):
             raise AssertionError(
                 f"access {t}: {resident} bytes of chunks resident, share {self.share(t)}"
+            )
+
+    def _audit_budget(self, t: int) -> None:
+        """The chunks resident, the blocks kept beside them and the activations alive now (the
+        tracer's count) fit the budget: the per-moment partition holds at this access."""
+        if self.budget is None or self.static_share is not None:
+            return
+        chunks = self.resident_bytes() + self.compute.reserved_bytes()
+        nonmodel = self.tracer.live_bytes
+        if chunks + nonmodel > self.budget:
+            raise AssertionError(
+                f"access {t}: {chunks:,} bytes of chunks and blocks kept beside them and "
+                f"{nonmodel:,} bytes besides chunks exceed the budget of {self.budget:,}"
             )
 
     def _budget_error(self, t: int, why: str) -> ChunkBudgetError:

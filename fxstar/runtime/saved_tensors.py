@@ -45,11 +45,11 @@ class SavedTensors:
 
     def pack(self, t: torch.Tensor) -> object:
         residency = self.residency
-        if t.device == residency.device and t.untyped_storage().data_ptr() == residency.arena_ptr():
+        byte = residency.position(t)
+        if byte is not None:
             layout = residency.layout
             if t.dtype != layout.dtype:
                 raise RuntimeError(f"a saved {t.dtype} view of {layout.dtype} chunk memory")
-            byte = t.storage_offset() * t.element_size()
             for chunk in residency.chunks:
                 if chunk.resident and chunk.offset <= byte < chunk.offset + layout.chunk_bytes:
                     offset = (byte - chunk.offset) // t.element_size()

@@ -6,7 +6,9 @@ compute Device copies asynchronously with: page-locked on an accelerator) and gi
 of a home no longer read back to the system. The compute tier is one arena of `device_memory`
 bytes on the compute Device (runtime/device.py, whose streams order the copies between the
 tiers): the blocks residency loads chunks into, tensors viewing them, and the blocks kept there
-for good beside the chunks (HybridAdam's device half: moments, gradients, masters). Whether a
+for good beside the chunks (HybridAdam's device half: moments, gradients, masters); on a card
+and the simulated device those blocks are tensors of the Device's allocator, shared with
+activations (arena.PooledBlocks: dynamic partition), elsewhere one buffer (ArenaBuffer). Whether a
 copy crosses tiers is a matter of tiers, not of `tensor.device`: on a CPU-only machine, and on
 the simulated device the tests use, both tiers are host memory. A tier below the host (a disk)
 is another subclass of Tier, not new fields on the chunk.
@@ -19,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from fxstar.runtime.arena import ArenaBuffer
+from fxstar.runtime.arena import ArenaBuffer, PooledBlocks
 from fxstar.runtime.device import Device
 from fxstar.runtime.host import host_empty, release_pages
 from fxstar.runtime.layout import ParamSlot
@@ -61,12 +63,12 @@ class ComputeTier(Tier):
 
     name = "compute"
 
-    def __init__(self, arena: ArenaBuffer, dtype: torch.dtype, compute_device: Device):
+    def __init__(self, arena: ArenaBuffer | PooledBlocks, dtype: torch.dtype,
+                 compute_device: Device):  # fmt: skip
         self.arena = arena
         self.compute_device = compute_device  # the streams and events of its copies
         self.device = arena.device
         self.dtype = dtype  # the chunks' elements
-        self.elements = arena.buffer.view(dtype)
         self.reserved: list[int] = []  # offsets of the blocks kept beside the chunks, in order
 
     # -- blocks kept for good -------------------------------------------------------------------
@@ -78,7 +80,8 @@ class ComputeTier(Tier):
         """A new zeroed block kept beside the chunks; ArenaOutOfMemory when none is that large."""
         offset = self.arena.alloc(nbytes)
         self.reserved.append(offset)
-        block = self.arena.buffer[offset : offset + nbytes]
+        buffer, start = self.arena.bytes_at(offset)
+        block = buffer[start : start + nbytes]
         block.zero_()
         return block.view(dtype)
 
@@ -89,18 +92,25 @@ class ComputeTier(Tier):
 
     def block_size(self, block: torch.Tensor) -> int:
         """Bytes the arena gave the reserved block `block` starts."""
-        return self.arena.allocator.block_size(block.data_ptr() - self.arena.buffer.data_ptr())
+        return self.arena.allocator.block_size(self.arena.position(block))
 
     def free(self, block: torch.Tensor) -> None:
         """Free the reserved block `block` starts."""
-        offset = block.data_ptr() - self.arena.buffer.data_ptr()
+        offset = self.arena.position(block)
         self.reserved.remove(offset)
         self.arena.free(offset)
 
     # -- tensors viewing the arena --------------------------------------------------------------
 
-    def arena_ptr(self) -> int:
-        return self.arena.buffer.untyped_storage().data_ptr()
+    def position(self, t: torch.Tensor) -> int | None:
+        """Where in the arena's blocks `t`'s first element lies (a byte offset, as a chunk's
+        block is named); None when `t` is not compute-tier chunk memory."""
+        return self.arena.position(t)
+
+    def _elements(self, block: int) -> tuple[torch.Tensor, int]:
+        """The chunks' elements holding the block at byte `block`, and its first element."""
+        buffer, start = self.arena.bytes_at(block)
+        return buffer.view(self.dtype), start // self.dtype.itemsize
 
     def view(
         self,
@@ -110,13 +120,14 @@ class ComputeTier(Tier):
         stride: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Elements from `offset` (elements) on of the chunk loaded at byte `block`."""
-        base = block // self.dtype.itemsize + offset
+        elements, base = self._elements(block)
+        base += offset
         if stride is None:
             numel = 1
             for d in shape:
                 numel *= d
-            return self.elements[base : base + numel].view(shape)
-        return self.elements.as_strided(shape, stride, base)
+            return elements[base : base + numel].view(shape)
+        return elements.as_strided(shape, stride, base)
 
     def leaf(self, block: int, slot: ParamSlot) -> torch.Tensor:
         """A parameter's values in the arena as a tensor of its own: not an autograd view of
@@ -125,6 +136,6 @@ class ComputeTier(Tier):
         which every chunk load bumps: a custom Function handing the parameter on as-is would
         then see its input "modified in place")."""
         leaf = torch.empty(0, dtype=self.dtype, device=self.device)
-        base = block // self.dtype.itemsize + slot.offset
+        elements, base = self._elements(block)
         stride = torch.empty(slot.shape, device="meta").stride()
-        return leaf.set_(self.elements.untyped_storage(), base, slot.shape, stride)
+        return leaf.set_(elements.untyped_storage(), base + slot.offset, slot.shape, stride)

@@ -293,6 +293,8 @@ class SimulatedDevice(Device):
 
     torch_device = torch.device("cpu")
     asynchronous = True
+    pooled_chunk_blocks = True  # chunk blocks as a card's: tensors of the allocator's
+    audits_budget = True  # every chunk test on it checks the budget at every access
 
     def __init__(
         self,

@@ -266,7 +266,9 @@ def test_a_later_capture_that_outgrows_the_engines_arena_says_so():
         check_arena(program, both, layout, budget=10_000, arena=511)
     assert "access 1 (forward, chunk 1)" in str(error.value)
     assert "largest input first" in str(error.value) and "'auto' does" not in str(error.value)
-    program, layout = arena_case("cuda")  # a card: the activations beside the arena
-    with pytest.raises(ChunkScheduleError, match="activations peak at") as error:
-        check_arena(program, both, layout, budget=512 + 99, arena=512)
-    check_arena(program, both, layout, budget=512 + 100, arena=512)
+    # a card: chunk blocks share its allocator with activations (arena.PooledBlocks), so a
+    # later capture's activations are held to each moment's share (check_budget), not here
+    program, layout = arena_case("cuda")
+    check_arena(program, both, layout, budget=512, arena=512)
+    with pytest.raises(ChunkScheduleError, match="more than the engine's arena"):
+        check_arena(program, both, layout, budget=10_000, arena=511)

@@ -54,6 +54,7 @@ import fxstar
 from fxstar.dist_launch import spawn
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.plan import Plan
+from fxstar.runtime.arena import PooledBlocks
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.device import using_device
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
@@ -318,3 +319,34 @@ def test_close_after_a_backward_that_raised_keeps_the_gradients_that_arrived():
         raised_backward(m)
         m.close()
         assert torch.equal(m.stable["p0"].grad, torch.full((8, 8), 2.0))
+
+
+# Dynamic partition: on the simulated device, as on a card, chunk blocks are tensors of the
+# device's allocator (arena.PooledBlocks), and every access asserts that the chunks resident,
+# the blocks kept beside them and the activations alive fit the budget.
+
+
+def test_chunk_blocks_come_from_the_devices_allocator_and_go_back_to_it():
+    with late() as device:
+        m = two_chunks(device, torch.float32)
+        assert isinstance(m.arena, PooledBlocks)
+        with m.running(AccessPlan([0, 1], ["forward"] * 2, [0, 0], [1, 1])):
+            leaves = forward(m, [0, 1])
+        assert [leaf[0, 0].item() for leaf in leaves] == [1.0, 2.0]
+        assert m.arena.held_bytes() == 2 * m.layout.chunk_bytes
+        m.residency.drop_unused()
+        assert m.arena.held_bytes() == 0 and not m.arena.blocks
+        m.close()
+
+
+def test_the_budget_audit_fails_when_activations_leave_the_chunks_no_room():
+    """A plan that says nothing lives besides chunks while activations do: the chunks take the
+    whole budget, and the audit names the access."""
+    with late() as device:
+        m = two_chunks(device, torch.float32)
+        alive = m.tracer.saved(torch.zeros(8))  # 32 bytes besides chunks, counted
+        plan = AccessPlan([0, 1], ["forward"] * 2, [0, 0], [1, 1])
+        with pytest.raises(AssertionError, match="access 1: .* exceed the budget"), m.running(plan):
+            forward(m, [0, 1])
+        del alive
+        m.close()
