@@ -325,6 +325,23 @@ class Engine(nn.Module):
         checkpoint.apply(self, strict=strict, rng=rng)
         return checkpoint
 
+    @whole_state
+    def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int | str | None = None,
+                        dtype: torch.dtype | None = None) -> str:  # fmt: skip
+        """A transformers model directory `from_pretrained` opens, written a tensor at a time
+        (fxstar.saving.export); every rank calls it."""
+        from fxstar.saving.export import save_pretrained
+
+        return str(save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype))
+
+    @whole_state
+    def export_state_dict(self, path: str | os.PathLike, *,
+                          dtype: torch.dtype | None = None) -> str:  # fmt: skip
+        """The model's state dict in one safetensors file, for any model (see save_pretrained)."""
+        from fxstar.saving.export import export_state_dict
+
+        return str(export_state_dict(self, path, dtype=dtype))
+
     # -- nn.Module plumbing: the model's parameters, names, state and mode -------------------
 
     def named_parameters(

@@ -8,6 +8,7 @@ __all__ = [
     "CollectiveError",
     "DiskIOError",
     "EngineStateError",
+    "ExportError",
     "FxstarError",
     "IRError",
     "OptionNotImplementedError",
@@ -81,6 +82,12 @@ class CaptureError(FxstarError):
 class CheckpointError(FxstarError, ValueError):
     """A checkpoint that does not fit the model (every difference listed), or is unreadable:
     damaged, truncated or edited files, each named with what would fix it."""
+
+
+class ExportError(CheckpointError):
+    """A model cannot be exported as asked: no transformers config for a transformers
+    directory, a checkpoint whose names do not fit its model, a target that is not an export
+    (a CheckpointError too: what `except CheckpointError` around saving catches)."""
 
 
 class EngineStateError(FxstarError, RuntimeError):

@@ -179,20 +179,28 @@ class ParameterStore:
         `values` (by fed name) stand in for tensors this rank holds as meta (another data-
         parallel rank's chunks, gathered from their owners): they are glued like the parts
         they stand for (under tensor parallelism a remote shard is still a shard)."""
+        return {key: self.state_value(key, values) for key in self.model.state_dict()}
+
+    def state_value(
+        self, key: str, values: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The current value of state dict entry `key` (see `state_dict`), alone: an export
+        takes the model one tensor at a time (collective where parts are glued across ranks)."""
         values = values or {}
 
         def value(name: str, tensor: torch.Tensor) -> torch.Tensor:
             return (values.get(name, tensor) if tensor.is_meta else tensor).detach()
 
-        out = {}
-        for key in self.model.state_dict():
-            if key in self._buffers:
-                out[key] = self._buffers[key].detach()
-            elif key in self._tensors:
-                out[key] = value(key, self._tensors[key])
-            else:
-                derived = self._derived.get(self._canonical(key))
-                out[key] = derived.consolidate(
-                    {n: value(n, p) for n, p in derived.parts.items()}
-                ).detach()
-        return out
+        if key in self._buffers:
+            return self._buffers[key].detach()
+        if key in self._tensors:
+            return value(key, self._tensors[key])
+        derived = self._derived.get(self._canonical(key))
+        return derived.consolidate({n: value(n, p) for n, p in derived.parts.items()}).detach()
+
+    def fed_names(self, key: str) -> list[str]:
+        """The names the graphs are fed in place of state dict entry `key`: itself (a buffer,
+        or a parameter under any of its names), or the parts a pass derived from it."""
+        if key in self._buffers or key in self._tensors:
+            return [key]
+        return list(self._derived[self._canonical(key)].parts)

@@ -87,9 +87,22 @@ def write_safetensors(
     own save_file first turns every tensor into bytes, a second copy of the whole model);
     returns each tensor's CRC-32, computed on the bytes as they are written. A tensor elsewhere
     than the host comes over one at a time."""
+    return write_safetensors_streamed(path, tensors, tensors.items(), metadata)
+
+
+def write_safetensors_streamed(
+    path: str | os.PathLike[str],
+    layout: Mapping[str, torch.Tensor],
+    values: Iterable[tuple[str, torch.Tensor]],
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, int]:
+    """Write a safetensors file whose header `layout` gives (name -> a tensor of its shape and
+    dtype, a meta tensor will do) from `values`, the (name, tensor) pairs in `layout`'s order:
+    each is written and let go before the next is drawn, so a stream that makes its tensors
+    one at a time never holds two. Returns each tensor's CRC-32."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    for name, t in tensors.items():
+    for name, t in layout.items():
         if t.dtype not in _NAMES:
             raise WeightsError(f"{name}: dtype {t.dtype} has no safetensors name")
         nbytes = t.numel() * t.element_size()
@@ -99,13 +112,21 @@ def write_safetensors(
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     crcs = {}
+    expected = iter(layout.items())
     with open(path, "wb") as file:
         file.write(len(text).to_bytes(8, "little"))
         file.write(text)
-        for name, t in tensors.items():
+        for name, t in values:
+            want_name, want = next(expected, (None, None))
+            if name != want_name or (t.dtype, t.shape) != (want.dtype, want.shape):
+                raise WeightsError(f"{path}: {name!r} {t.dtype} {list(t.shape)} does not come "
+                                   "where its header puts it")  # fmt: skip
             data = _bytes(t.detach().to("cpu").contiguous()) if t.numel() else memoryview(b"")
             crcs[name] = zlib.crc32(data)
             file.write(data)
+            del t, data
+        if next(expected, None) is not None:
+            raise WeightsError(f"{path}: the tensors ended before its header's last")
     return crcs
 
 

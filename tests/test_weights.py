@@ -4,7 +4,6 @@ their homes and initialised there."""
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from torch import nn
 
 from fxstar import weights
 from fxstar.errors import FxstarError
+from fxstar.testing.peak_rss import peak_rss, reset_peak_rss, rss
 from fxstar.weights import (
     WeightsError,
     WeightSource,
@@ -539,29 +539,6 @@ def big_checkpoint(directory: Path, tensors: int = 40, numel: int = 5 * 2**18) -
     (directory / weights.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak() -> bool:
-    """Restart the high-water mark of this process's RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
 def measure(path: str, dtypes: Sequence[str]) -> dict[str, Any]:
     """How far the peak RSS rises over the RSS before: materialize (per home dtype) vs the
     usual way (each shard loaded whole with load_file, then copied). Without a resettable
@@ -572,17 +549,17 @@ def measure(path: str, dtypes: Sequence[str]) -> dict[str, Any]:
                            "largest": max(src.nbytes(n) for n in src.names())}  # fmt: skip
     for dtype in dtypes:
         dests = {n: torch.zeros(src.shape(n), dtype=getattr(torch, dtype)) for n in src.names()}
-        base, _ = _rss(), _reset_peak()
+        base, _ = rss(), reset_peak_rss()
         report = materialize(dests, src)
-        out[dtype] = {"rise": _peak() - base, "GB/s": round(report.gb_per_s, 2)}
+        out[dtype] = {"rise": peak_rss() - base, "GB/s": round(report.gb_per_s, 2)}
         src.close()
-    base, _ = _rss(), _reset_peak()
+    base, _ = rss(), reset_peak_rss()
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
     for name, tensor in state.items():
         dests[name].copy_(tensor)
-    out["load_file"] = {"rise": _peak() - base}
+    out["load_file"] = {"rise": peak_rss() - base}
     return out
 
 
@@ -590,7 +567,7 @@ def measure(path: str, dtypes: Sequence[str]) -> dict[str, Any]:
 def test_peak_host_memory_is_about_one_tensor(tmp_path: Path) -> None:
     big_checkpoint(tmp_path)
     dtypes = ["float32", "bfloat16"]  # read straight into the homes; cast through a scratch
-    if _reset_peak():
+    if reset_peak_rss():
         got = measure(str(tmp_path), dtypes)
     else:  # a fresh process, whose peak before reading is its peak so far
         run = subprocess.run([sys.executable, __file__, str(tmp_path), *dtypes],

@@ -335,18 +335,19 @@ class ChunkGroups:
         full: dict[str, torch.Tensor] = {}
         with self._guard("gathering the parameters from their owners"):
             for chunk in chunks.chunks:
-                if not chunk.used:
-                    continue
-                if chunk.remote:  # like the owner's fp32 home
-                    values = torch.empty(chunk.used, dtype=torch.float32)
-                else:
-                    values = chunk.fp32_home
-                dist.broadcast(values, group=self._pg(values), group_src=self.owner(chunk.id))
-                for slot in chunk.slots:
-                    view = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                    for name in (slot.name, *slot.aliases):
-                        full[name] = view
+                if chunk.used:
+                    full.update(self.chunk_parameters(chunk))
         return full
+
+    def chunk_parameters(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """Sharded: one chunk's fp32 parameters under each of their names, on every rank (its
+        owner broadcasts it; collective, inside a `guard`). The owner's are views of its home,
+        the others' fresh: an export takes the model a chunk at a time."""
+        # a remote chunk's values come into a tensor like its owner's fp32 home
+        values = torch.empty(chunk.used, dtype=torch.float32) if chunk.remote else chunk.fp32_home
+        dist.broadcast(values, group=self._pg(values), group_src=self.owner(chunk.id))
+        return {name: values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                for slot in chunk.slots for name in (slot.name, *slot.aliases)}  # fmt: skip
 
     def agree_measured(self, measured: Sequence[int] | None) -> tuple[int, ...] | None:
         """Sharded: the bytes besides chunks a traced step measured at each access, the most

@@ -18,6 +18,9 @@ on the parent directory, so two processes saving one path each leave a whole che
 last wins); a save first deletes the `.tmp-` directories of killed saves (same host, pid
 gone). Siblings are matched by exact name prefix, never by a glob: a name with `*`, `?` or `[`
 only ever touches its own.
+
+An export (saving/export.py) is written and swapped in the same way, under its own `Kind`: it
+replaces only a previous export.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +44,24 @@ from fxstar.errors import CheckpointError
 from fxstar.saving.file_format import FORMAT, MANIFEST, MARKER, STATE
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
+@dataclass(frozen=True)
+class Kind:
+    """What a save writes: its words in a refusal, and the files of a directory it wrote
+    (None: the directory is not of this kind), so a save replaces only its own kind."""
+
+    verb: str  # "save a checkpoint": what "cannot ..." refuses
+    noun: str  # "checkpoint": what an fxstar directory of this kind is called
+    own_files: Callable[[Path], set[str] | None]
+
+
+def write_atomically(
+    path: str | os.PathLike, write: Callable[[Path], Any], kind: Kind | None = None
+) -> Path:
     """Run `write(dir)` on a new directory, then swap it in for `path`, the old one kept until
-    the new one is in place (see `_target` for what may be replaced)."""
-    target = prepare(path)
+    the new one is in place (see `_target` for what may be replaced; `kind`: a checkpoint
+    unless given)."""
+    kind = kind or CHECKPOINT
+    target = prepare(path, kind)
     scratch = new_scratch(target, "tmp")
     try:
         (scratch / target.name).mkdir()
@@ -51,24 +69,25 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return swap_in(scratch, target)
+    return swap_in(scratch, target, kind)
 
 
-def prepare(path: str | os.PathLike) -> Path:
+def prepare(path: str | os.PathLike, kind: Kind | None = None) -> Path:
     """The directory a save of `path` writes (see `_target`), its parent made and what killed
     saves of it left removed: before anything is written, so a refusal costs nothing."""
-    target = _target(path)
+    kind = kind or CHECKPOINT
+    target = _target(path, kind)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise CheckpointError(f"cannot save a checkpoint to {path}: {error}") from error
+        raise CheckpointError(f"cannot {kind.verb} to {path}: {error}") from error
     with _locked(target.parent):  # not between another save's two renames of `target`
-        _replaceable(target)
+        _replaceable(target, kind)
     _remove_killed_saves(target)  # first: the space they hold may be what this save needs
     return target
 
 
-def _target(path: str | os.PathLike) -> Path:
+def _target(path: str | os.PathLike, kind: Kind) -> Path:
     """Where a save of `path` goes: a symbolic link is followed (the checkpoint it points to is
     replaced and the link kept, as `open` writes through a link); the working directory, or
     one holding it, is refused by name."""
@@ -76,43 +95,44 @@ def _target(path: str | os.PathLike) -> Path:
     try:
         target = given.resolve()
     except (OSError, RuntimeError) as error:  # a loop of links
-        raise CheckpointError(f"cannot save a checkpoint to {given}: {error}") from error
+        raise CheckpointError(f"cannot {kind.verb} to {given}: {error}") from error
     with suppress(OSError):  # a working directory that was deleted holds nothing
         cwd = Path.cwd().resolve()
         if target == cwd or target in cwd.parents:
             raise CheckpointError(
-                f"cannot save a checkpoint to {given}: it is the working directory {cwd} or "
+                f"cannot {kind.verb} to {given}: it is the working directory {cwd} or "
                 "holds it, and a save replaces the whole directory; save to a directory of its "
                 f"own, e.g. {given / 'checkpoint'}"
             )
     return target
 
 
-def _replaceable(target: Path) -> None:
+def _replaceable(target: Path, kind: Kind) -> None:
     """Refuse to replace `target` unless it is absent, an empty directory, or an fxstar
-    checkpoint that holds only files fxstar wrote: a save never deletes anything else."""
+    checkpoint (of `kind`) that holds only files fxstar wrote: a save never deletes anything
+    else."""
     if not os.path.lexists(target):
         return
     if not target.is_dir():
         raise CheckpointError(
-            f"cannot save a checkpoint to {target}: it is a file, not a checkpoint directory; "
+            f"cannot {kind.verb} to {target}: it is a file, not a {kind.noun} directory; "
             "save to another path, or move the file away first"
         )
     try:
         with os.scandir(target) as scan:
             entries = {e.name: e.is_file(follow_symlinks=False) for e in scan}
     except OSError as error:
-        raise CheckpointError(f"cannot save a checkpoint to {target}: {error}") from error
+        raise CheckpointError(f"cannot {kind.verb} to {target}: {error}") from error
     if not entries:
         return
-    own = _own_files(target)
+    own = kind.own_files(target)
     foreign = sorted(n for n, plain in entries.items() if own is None or n not in own or not plain)
     if not foreign:
         return
     shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" * (len(foreign) > 10))
-    what = "is not an fxstar checkpoint and" if own is None else "is an fxstar checkpoint but"
+    what = f"is not an fxstar {kind.noun} and" if own is None else f"is an fxstar {kind.noun} but"
     raise CheckpointError(
-        f"cannot save a checkpoint to {target}: it {what} holds files fxstar did not write "
+        f"cannot {kind.verb} to {target}: it {what} holds files fxstar did not write "
         f"({shown}), which a save would delete; save to a new or empty directory, or move "
         "them away first"
     )
@@ -136,6 +156,9 @@ def _own_files(directory: Path) -> set[str] | None:
     return own if found else None
 
 
+CHECKPOINT = Kind("save a checkpoint", "checkpoint", _own_files)
+
+
 def _named_files(data: Mapping[str, Any]) -> Iterator[str]:
     """Every plain file name a manifest or training.json gives (any structure tolerated)."""
     names: list[Any] = list(data["files"]) if isinstance(data.get("files"), dict) else []
@@ -151,7 +174,7 @@ def _named_files(data: Mapping[str, Any]) -> Iterator[str]:
     yield from (name for name in names if is_file_name(name))
 
 
-def swap_in(scratch: Path, target: Path) -> Path:
+def swap_in(scratch: Path, target: Path, kind: Kind | None = None) -> Path:
     """The checkpoint written in `scratch`, synced, in place of `target`; the old one moved
     into an `.old-` scratch directory until the new one is in, then deleted."""
     new = scratch / target.name
@@ -160,7 +183,7 @@ def swap_in(scratch: Path, target: Path) -> Path:
             _fsync(file)
         _fsync(new)
         with _locked(target.parent):
-            _replaceable(target)  # again, under the lock: what is there now
+            _replaceable(target, kind or CHECKPOINT)  # again, under the lock: what is there now
             if os.path.lexists(target):
                 os.replace(target, new_scratch(target, "old") / target.name)
             os.replace(new, target)

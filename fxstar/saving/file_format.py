@@ -7,7 +7,8 @@
     training.safetensors  every tensor of the training state (optimizer moments, RNG states)
     training.json         the training state's structure, with {"__tensor__": key} where a
                           tensor of training.safetensors goes (fxstar/saving/json_tree.py);
-                          step, scheduler and RNG state
+                          step, scheduler and RNG state; a transformers model's config
+                          ("transformers_config"), from which `fxstar export` rebuilds it
     manifest.json         every other file's size and CRC-32 (a safetensors file's tensors'
                           too), and a CRC-32 of its own canonical JSON; written last
 
@@ -40,6 +41,7 @@ STATE = "training.json"
 MANIFEST = "manifest.json"
 MARKER = "fxstar-scratch.json"  # in a save's scratch directory: what makes it fxstar's
 ALIASES_KEY = "fxstar.aliases"
+TRANSFORMERS_CONFIG = "transformers_config"  # training.json: a transformers model's config
 FIX = "restore it from a copy, or save the checkpoint again"
 
 
@@ -89,7 +91,7 @@ def write_tensors(directory: Path, name: str, content: Mapping[str, torch.Tensor
 def training_json(view: TrainingView, ranks: int, aliases: dict[str, str], skeleton: Any,
                   parameter_files: list[str]) -> dict[str, Any]:  # fmt: skip
     """training.json's content but the files' records."""
-    return {
+    meta = {
         "format": FORMAT,
         "version": VERSION,
         "torch": torch.__version__,
@@ -101,6 +103,9 @@ def training_json(view: TrainingView, ranks: int, aliases: dict[str, str], skele
         "state": skeleton,
         "plan": _jsonable(view.plan),
     }
+    if view.transformers_config is not None:  # what `fxstar export` rebuilds the model from
+        meta[TRANSFORMERS_CONFIG] = view.transformers_config
+    return meta
 
 
 def _jsonable(obj: Any) -> Any:

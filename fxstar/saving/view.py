@@ -6,7 +6,8 @@ that reads the engine's process groups, chunks and parameter store for a checkpo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ from torch import nn
 
 from fxstar.runtime.rank_group import RankGroup
 from fxstar.saving.collective import rank_in
+from fxstar.saving.state_stream import state_items
+from fxstar.weights import is_transformers
 
 if TYPE_CHECKING:
     from fxstar.engine import Engine
@@ -48,6 +51,9 @@ class TrainingView:
     """An engine as a checkpoint sees it: what a save writes and what a load restores."""
 
     model_class: str  # the model's class name, recorded in training.json
+    model: nn.Module  # the model (an export reads a transformers model's config and ties)
+    # a transformers model's config as JSON, recorded in training.json (None: another model)
+    transformers_config: dict[str, Any] | None
     plan: dict[str, Any]  # the plan's options as training.json records them (no loss function)
     world: World
     # this rank holds only its own chunks' parameter values (sharded data-parallel payloads)
@@ -56,6 +62,11 @@ class TrainingView:
     state_dict: Callable[[], dict[str, torch.Tensor]]
     # this rank's state dict without a collective (sharded: other ranks' chunks as meta tensors)
     local_state_dict: Callable[[], dict[str, torch.Tensor]]
+    # the model's state dict names, shapes and dtypes (as meta tensors), without a collective
+    model_state: Callable[[], dict[str, torch.Tensor]]
+    # the values of these names one at a time, as state_dict gives them (collective: every
+    # rank draws the same names; see state_stream.py)
+    state_items: Callable[[Sequence[str]], Iterator[tuple[str, torch.Tensor]]]
     parameters: Mapping[str, nn.Parameter]  # the tensors the engine trains, by name
     parameter_names: frozenset[str]  # every name of the model's parameters, tied ones too
     optimizer: Any
@@ -81,13 +92,31 @@ def view_of(engine: Engine) -> TrainingView:
     plan = engine.plan.to_dict()
     plan.pop("loss_fn", None)  # code, not state
     store = engine.store
+    sharded = engine.chunks is not None and engine.chunks.sharded
+
+    def model_state() -> dict[str, torch.Tensor]:
+        with engine._local_state_dicts():  # no gathering: names, shapes and dtypes only
+            return {k: torch.empty_like(v, device="meta")
+                    for k, v in engine.model.state_dict().items()}  # fmt: skip
+
+    def values(names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        dtypes = {k: v.dtype for k, v in model_state().items()}
+        if not sharded:
+            return state_items(store, names, dtypes)
+        chunks = engine.chunks
+        return state_items(store, names, dtypes, chunks.data_parallel, chunks.step_chunks.chunks)
+
     return TrainingView(
         model_class=type(engine.model).__name__,
+        model=engine.model,
+        transformers_config=_transformers_config(engine.model),
         plan=plan,
         world=World(whole, _tensor_parallel_size(engine), engine.data_parallel_size),
-        sharded=engine.chunks is not None and engine.chunks.sharded,
+        sharded=sharded,
         state_dict=engine.state_dict,
         local_state_dict=engine.local_state_dict,
+        model_state=model_state,
+        state_items=values,
         parameters=dict(engine.named_parameters()),
         parameter_names=frozenset(
             n for n, _ in engine.model.named_parameters(remove_duplicate=False)
@@ -101,6 +130,14 @@ def view_of(engine: Engine) -> TrainingView:
         copy_parameters=lambda pairs: copy_parameters(store, pairs),
         zero_grad=lambda: engine.zero_grad(set_to_none=True),
     )
+
+
+def _transformers_config(model: nn.Module) -> dict[str, Any] | None:
+    """A transformers model's config as JSON (every field, not only those off the defaults,
+    so an export rebuilds it without the model's code at hand); None for another model."""
+    if not is_transformers(model):
+        return None
+    return json.loads(model.config.to_json_string(use_diff=False))
 
 
 def _tensor_parallel_size(engine: Engine) -> int:
