@@ -88,7 +88,7 @@ def forecast_kept(plan: Any, chunk_plan: ChunkPlan) -> list[int]:
         return []  # data parallel keeps whole groups by the least margin of any rank: none
     pairs = zip(access.pinned_at_once, access.nonmodel_bytes, strict=True)
     moments = [(pinned * layout.chunk_bytes, other) for pinned, other in pairs]
-    spare = spare_bytes(chunk_plan.budget, chunk_plan.arena_capacity, moments,
+    spare = spare_bytes(chunk_plan.chunk_budget, chunk_plan.arena_capacity, moments,
                         plan.margin_use_ratio)  # fmt: skip
     share_room = layout.kept_grad_in_payload(
         grads_in_host=plan.grads_in_host, accumulation_steps=plan.optimizer.accumulation_steps

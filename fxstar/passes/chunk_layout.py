@@ -138,12 +138,16 @@ class BudgetNeed:
     activations: int  # bytes besides chunks expected at that access
     static_ratio: float | None  # warmup_gpu_chunk_mem_ratio under static_partition
     load_unit: int = 1  # chunks a load brings (Topology.load_unit): a whole group with sharded DP
+    staging: int = 0  # gradient staging held all step (sharded data parallel: staging_bytes)
 
     def moment(self) -> str:
         """Which access sets the need, and what it holds there."""
         count = self.chunks_at_once
+        staged = (f" and {format_size(self.staging)} of data-parallel gradient staging"
+                  if self.staging else "")  # fmt: skip
         where = (
             f"beside about {format_size(self.activations)} of activations and temporaries"
+            f"{staged}"
             if self.static_ratio is None
             else f"in the static partition (warmup_gpu_chunk_mem_ratio {self.static_ratio:g})"
         )
@@ -182,15 +186,25 @@ def shown_budget(plan, budget: int) -> str:
     return f"{given} of the parameter bytes = {text}" if isinstance(given, Share) else text
 
 
+def staging_bytes(program: Program, layout: ChunkLayout) -> int:
+    """Compute-tier bytes besides chunks and activations all step: sharded data-parallel
+    payloads stage gradients there (runtime/grad_shards.py), at most this much at once."""
+    ranks = program.topology.data_parallel_size  # the chunk-size search's layouts are ungrouped
+    if ranks == 1 or not program.topology.sharded_payloads:
+        return 0
+    return layout.staging_bytes(ranks, mem_saving=program.plan.mem_saving_comm)
+
+
 def budget_need(program: Program, access: AccessPlan, layout: ChunkLayout) -> BudgetNeed:
-    """The least budget under which every access of `access` fits its chunk_share (under
-    `program`'s plan and topology)."""
+    """The least budget under which every access of `access` fits its chunk_share beside
+    the gradient staging (under `program`'s plan and topology)."""
     plan, size = program.plan, layout.chunk_bytes
+    staging = staging_bytes(program, layout)
     # moments with the same chunks and activations need the same: each pair once
     first = {}
     for t, pair in enumerate(zip(access.pinned_at_once, access.nonmodel_bytes, strict=True)):
         first.setdefault(pair, t)
-    budgets = {t: smallest_budget(plan, pinned * size, nonmodel)
+    budgets = {t: smallest_budget(plan, pinned * size, nonmodel + staging)
                for (pinned, nonmodel), t in first.items()}  # fmt: skip
     t = max(budgets, key=lambda t: (budgets[t], -t), default=None)
     if t is None:  # nothing is ever fetched
@@ -199,7 +213,7 @@ def budget_need(program: Program, access: AccessPlan, layout: ChunkLayout) -> Bu
         budgets[t], layout.chunk_size, size, t, access.phases[t], access.chunks[t],
         access.pinned_at_once[t], access.nonmodel_bytes[t],
         plan.warmup_gpu_chunk_mem_ratio if plan.static_partition else None,
-        program.topology.load_unit,
+        program.topology.load_unit, staging,
     )  # fmt: skip
 
 

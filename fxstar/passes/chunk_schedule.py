@@ -36,7 +36,13 @@ from fxstar.dump import note
 from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
 from fxstar.passes.activation_checkpoint import region_calls, region_inputs
-from fxstar.passes.chunk_layout import budget_bytes, budget_need, shown_budget, static_share
+from fxstar.passes.chunk_layout import (
+    budget_bytes,
+    budget_need,
+    shown_budget,
+    staging_bytes,
+    static_share,
+)
 from fxstar.passes.shape_memory import META_KEY
 from fxstar.program import Program
 from fxstar.runtime import ops
@@ -528,9 +534,9 @@ def note_owners(program: Program, layout: ChunkLayout) -> None:
 def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,
                budget: int | None) -> ChunkPlan:  # fmt: skip
     """The room the chunks have under `budget`, decided here once for the runtime to follow.
-    The arena spans the budget (on a card less the gradient staging of sharded data-parallel
-    payloads) and the chunks' share is enforced per moment, beside that moment's bytes besides
-    chunks: on a CPU-only machine the arena's freed pages go back to the system, on a card
+    The arena spans the budget and the chunks' share is enforced per moment, beside that
+    moment's bytes besides chunks and the gradient staging of sharded data-parallel payloads
+    (held on the compute tier all step): on a CPU-only machine the arena's freed pages go back to the system, on a card
     chunk blocks come from the allocator activations use (arena.PooledBlocks), so the room
     activations leave early in forward and late in backward holds chunks (dynamic
     partition). Without a budget (bf16/fp16 alone) every chunk stays resident and activations
@@ -540,13 +546,8 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,
     if budget is None:
         block = -(-layout.chunk_bytes // ARENA_ALIGNMENT) * ARENA_ALIGNMENT  # blocks round up
         capacity = (len(layout.chunks) + 1) * block
-    elif device.type == "cpu":
+    else:
         capacity = budget
-    else:  # sharded payloads: the gradient staging lives on the card too (NCCL); the
-        # chunk blocks share the card's allocator with activations (arena.PooledBlocks)
-        staging = (layout.staging_bytes(mem_saving=program.plan.mem_saving_comm)
-                   if layout.ranks > 1 and program.topology.sharded_payloads else 0)  # fmt: skip
-        capacity = budget - staging
     decided = program.engine_decisions
     if decided.arena_capacity is None:
         decided.arena_capacity = capacity
@@ -559,6 +560,7 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,
         static_share=None if budget is None else static_share(program.plan, budget),
         device=str(device), mem_cache=program.plan.mem_cache,
         load_unit=program.topology.load_unit,
+        staging_bytes=0 if budget is None else staging_bytes(program, layout),
     )  # fmt: skip
 
 

@@ -112,6 +112,7 @@ class ChunkManager:
         grads_in_host: bool = True,
         data_parallel: ChunkGroups | None = None,
         load_unit: int = 1,
+        staging: int = 0,
     ):
         self.layout = layout
         self.data_parallel = data_parallel  # chunk owners and their collectives, or None
@@ -149,7 +150,7 @@ class ChunkManager:
             stats=self.stats, tracer=self.tracer, budget=budget, static_share=static_share,
             mem_cache=mem_cache, prefetch=asynchronous if prefetch is None else prefetch,
             owners=data_parallel if self.sharded else None,
-            load_unit=load_unit,
+            load_unit=load_unit, staging=staging,
         )  # fmt: skip
         # Gradient copies run beside backward: on the copy stream of an asynchronous device;
         # on a CPU-only machine (where the copy is a memcpy into the host buffer) on a worker
@@ -330,7 +331,7 @@ class ChunkManager:
         return cls(
             plan.layout, params, budget=plan.budget, arena_capacity=plan.arena_capacity,
             device=plan.device, static_share=plan.static_share, mem_cache=plan.mem_cache,
-            load_unit=plan.load_unit, **options,
+            load_unit=plan.load_unit, staging=plan.staging_bytes, **options,
         )  # fmt: skip
 
     @contextlib.contextmanager
@@ -346,6 +347,7 @@ class ChunkManager:
                     "edited)"
                 )
             self.budget, self.static_share = plan.budget, plan.static_share
+            self.residency.staging = plan.staging_bytes
             self._plan_source, plan = plan, plan.access
         else:
             self._plan_source = None

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from fxstar.runtime.device import device_for
 from fxstar.runtime.rank_group import RankGroup, guard, host_process_group, process_group
 
 if TYPE_CHECKING:
@@ -142,9 +143,9 @@ class ChunkGroups:
         (`arrived`) before the payload is read or its block reused."""
         owner = self.owner(chunk_id)
         with self._guard(f"fetching chunk {chunk_id} from rank {owner}"):
-            work = dist.broadcast(
-                payload, group=self._pg(payload), group_src=owner, async_op=not wait
-            )
+            work = self._start(payload, wait, lambda dst: dist.broadcast(
+                dst, group=self._pg(dst), group_src=owner, async_op=not wait
+            ))  # fmt: skip
         if owner == self.rank:
             self.bytes_sent += payload.nbytes
         else:
@@ -159,9 +160,21 @@ class ChunkGroups:
         size = block.numel() // self.size
         own = block[self.rank * size : (self.rank + 1) * size]
         with self._guard(f"all-gathering chunks {first} to {first + self.size - 1}"):
-            work = dist.all_gather_single(block, own, group=self._pg(block), async_op=not wait)
+            work = self._start(block, wait, lambda dst: dist.all_gather_single(
+                dst, dst[self.rank * size : (self.rank + 1) * size], group=self._pg(dst),
+                async_op=not wait,
+            ))  # fmt: skip
         self.bytes_sent += own.nbytes
         self.bytes_fetched += block.nbytes - own.nbytes
+        return work
+
+    @staticmethod
+    def _start(dst: torch.Tensor, wait: bool, issue: Callable[[torch.Tensor], Any]) -> Any:
+        """A collective into `dst`, at once, or (a prefetch) through the device's
+        `collective`: what reads `dst` before `arrived` reads garbage, as on a card."""
+        if wait:
+            return issue(dst)
+        (work,) = device_for(dst.device).collective(dst, lambda target: [issue(target)])
         return work
 
     def arrived(self, chunk_id: int, work: dist.Work) -> None:

@@ -49,7 +49,10 @@ passes.chunk_layout.auto_budget: `get_device_properties(device).total_memory`, w
 `device.memory_info()[1]` gives), engine inputs (`x.to(device, non_blocking=True)`), and
 HybridAdam's device half (torch's fused Adam and its copies on the current stream). The
 data-parallel broadcasts and all-gathers and the tensor-parallel collectives run on their
-backend's streams; their `work.wait()` orders the current stream after them.
+backend's streams; their `work.wait()` orders the current stream after them. Those issued
+asynchronously (a prefetch's gather, tensor parallel's overlapped gathers, reduce-scatters and
+all-reduces) go through `device.collective`, so on the simulated device their destination
+reads as poison until their work is waited for.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -191,6 +194,14 @@ class Device(ABC):
         done.record(stream)
         self.record_stream(src, stream)
         return QueuedCopy(done, started)
+
+    def collective(
+        self, dst: torch.Tensor, issue: Callable[[torch.Tensor], list[Any]]
+    ) -> list[Any]:
+        """Start an asynchronous collective that writes `dst` (and reads it, in place):
+        `issue(target)` starts it on `target` and returns its works. What reads `dst` before
+        every work is waited for reads garbage (poison on the simulated device)."""
+        return issue(dst)
 
     @abstractmethod
     def empty(

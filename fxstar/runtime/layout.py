@@ -147,13 +147,13 @@ class ChunkLayout:
         payloads = 1 if share_room else 2
         return payloads * self.chunk_bytes + self.chunk_size * 4 * (2 + low_precision)
 
-    def staging_bytes(self, *, mem_saving: bool) -> int:
-        """The most gradient staging a rank holds at once with sharded payloads: MAX_STAGED
-        units of a group's N chunks and the reduce-scatter's one-chunk output (of one chunk,
-        reduced in place, with mem_saving_comm)."""
+    def staging_bytes(self, ranks: int, *, mem_saving: bool) -> int:
+        """The most gradient staging a rank holds at once with payloads sharded over `ranks`:
+        MAX_STAGED units of a group's chunks and the reduce-scatter's one-chunk output (of one
+        chunk, reduced in place, with mem_saving_comm)."""
         if mem_saving:
             return MAX_STAGED * self.chunk_bytes
-        return (MAX_STAGED * self.ranks + 1) * self.chunk_bytes
+        return (MAX_STAGED * ranks + 1) * self.chunk_bytes
 
     def slots(self) -> dict[str, ParamSlot]:
         """Every alias -> its slot."""
@@ -262,11 +262,19 @@ class ChunkPlan:
     # the chunk's whole group of N, gathered into one block of N chunks by one all-gather
     load_unit: int = 1
     observed: Observed | None = None  # what the step this plan was refined from measured
+    # sharded data-parallel payloads: the most gradient staging a rank holds at once
+    # (ChunkLayout.staging_bytes), on the compute tier beside chunks and activations all step
+    staging_bytes: int = 0
+
+    @property
+    def chunk_budget(self) -> int | None:
+        """What chunks and activations share at every moment: the budget less the staging."""
+        return None if self.budget is None else self.budget - self.staging_bytes
 
     def kept_room(self) -> int | None:
         """Compute-tier bytes the chunks kept there for good may hold under this plan (see
         kept_room): those beyond it go back to the host tier before the plan runs."""
-        return kept_room(self.budget, self.arena_capacity, self.static_share, self.access,
+        return kept_room(self.chunk_budget, self.arena_capacity, self.static_share, self.access,
                          self.layout.chunk_bytes)  # fmt: skip
 
     def refined(self, observed: Observed) -> ChunkPlan:
@@ -283,6 +291,8 @@ class ChunkPlan:
     def describe(self) -> str:
         budget = "none (every chunk resident)" if self.budget is None else f"{self.budget:,}"
         share = "" if self.static_share is None else f", static share {self.static_share:,}"
+        if self.staging_bytes:
+            share += f", {self.staging_bytes:,} of it gradient staging"
         source = "compiled" if self.observed is None else "refined from a traced step"
         return (
             f"chunk plan ({source}): budget {budget}{share}, arena {self.arena_capacity:,} on "

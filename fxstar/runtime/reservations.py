@@ -61,14 +61,15 @@ class Reservations:
         moments = residency.tracer.training_step()
         if residency.static_share is not None or not any(m.phase == "backward" for m in moments):
             return 0
-        if residency.budget is None:
+        budget = residency.chunk_budget
+        if budget is None:
             return 0  # nothing to plan a margin from
         used = [(m.pinned_bytes, m.nonmodel_bytes) for m in moments]
-        spare = spare_bytes(residency.budget, residency.arena.capacity, used, ratio)
+        spare = spare_bytes(budget, residency.arena.capacity, used, ratio)
         spare -= self.reserved_bytes()
         if residency.plan is not None:  # never more than the plan it follows holds kept
             room = kept_room(
-                residency.budget,
+                budget,
                 residency.arena.capacity,
                 residency.static_share,
                 residency.plan,

@@ -77,6 +77,7 @@ class Residency:
         prefetch: bool,
         owners: PayloadOwners | None = None,
         load_unit: int = 1,
+        staging: int = 0,
     ):
         self.layout = layout
         self.compute = compute  # the arena, and the blocks kept beside the chunks
@@ -89,6 +90,8 @@ class Residency:
         self.stats = stats
         self.tracer = tracer
         self.budget = budget
+        # compute-tier bytes besides chunks and activations all step (ChunkPlan.staging_bytes)
+        self.staging = staging
         self.static_share = static_share
         self.cache_capacity = mem_cache
         self.prefetch = prefetch
@@ -185,15 +188,21 @@ class Residency:
     def units(self) -> list[list[Chunk]]:
         return [self.unit(c) for c in self.chunks[:: self.load_unit]]
 
+    @property
+    def chunk_budget(self) -> int | None:
+        """What chunks and activations share at every moment: the budget less the staging."""
+        return None if self.budget is None else self.budget - self.staging
+
     def share(self, t: int) -> int:
         """Bytes chunks may hold on the compute tier at access t."""
         if self.static_share is not None:
             return self.static_share
         plan = self.plan
         nonmodel = plan.nonmodel_bytes[t] if plan is not None and t < len(plan) else 0
-        if self.budget is None:  # no device_memory: the arena holds every chunk
+        budget = self.chunk_budget
+        if budget is None:  # no device_memory: the arena holds every chunk
             return self.arena.capacity - self.compute.reserved_bytes()
-        return min(self.arena.capacity, self.budget - nonmodel) - self.compute.reserved_bytes()
+        return min(self.arena.capacity, budget - nonmodel) - self.compute.reserved_bytes()
 
     def resident_bytes(self) -> int:
         return sum(self.layout.chunk_bytes for c in self.chunks if c.resident)
@@ -476,16 +485,18 @@ class Residency:
             )
 
     def _audit_budget(self, t: int) -> None:
-        """The chunks resident, the blocks kept beside them and the activations alive now (the
-        tracer's count) fit the budget: the per-moment partition holds at this access."""
+        """The chunks resident, the blocks kept beside them, the activations alive now (the
+        tracer's count) and the gradient staging fit the budget: the per-moment partition
+        holds at this access."""
         if self.budget is None or self.static_share is not None:
             return
         chunks = self.resident_bytes() + self.compute.reserved_bytes()
         nonmodel = self.tracer.live_bytes
-        if chunks + nonmodel > self.budget:
+        if chunks + nonmodel + self.staging > self.budget:
+            staged = f", {self.staging:,} of gradient staging" if self.staging else ""
             raise AssertionError(
                 f"access {t}: {chunks:,} bytes of chunks and blocks kept beside them and "
-                f"{nonmodel:,} bytes besides chunks exceed the budget of {self.budget:,}"
+                f"{nonmodel:,} bytes besides chunks{staged} exceed the budget of {self.budget:,}"
             )
 
     def _budget_error(self, t: int, why: str) -> ChunkBudgetError:

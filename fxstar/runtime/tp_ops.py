@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from fxstar.runtime.buffer_pool import BufferPool
+from fxstar.runtime.device import device_for
 from fxstar.runtime.rank_group import RankGroup, guard, process_group, process_group_for
 
 __all__ = [
@@ -116,18 +117,29 @@ class Collectives:
         with guard(what, self.group):
             return _Works(issue(), what, self.group)
 
+    def _issue_into(self, name: str, dst: torch.Tensor, async_op: bool,
+                    issue: Callable[[torch.Tensor], list[Any]]) -> _Works:  # fmt: skip
+        """As _issue, for collectives that write `dst`: issued asynchronously through the
+        device's `collective`, so what reads `dst` before the wait reads garbage (poison on
+        the simulated device) as it would on a card."""
+        if not async_op:
+            return self._issue(name, lambda: issue(dst))
+        device = device_for(dst.device)
+        return self._issue(name, lambda: device.collective(dst, issue))
+
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, async_op: bool = False) -> _Works:
         """out (contiguous, N times x's elements) = every rank's x, concatenated in rank
         order: [N, *x.shape], or the full activation of N token blocks."""
         pg = self.pg_for(out)
-        flat, own = out.view(self.world, -1), x.contiguous().view(-1)
+        own = x.contiguous().view(-1)
         if not self.mem_saving:
-            return self._issue("all_gather", lambda: [
-                dist.all_gather_single(flat.view(-1), own, group=pg, async_op=async_op)
+            return self._issue_into("all_gather", out, async_op, lambda dst: [
+                dist.all_gather_single(dst.view(-1), own, group=pg, async_op=async_op)
             ])  # fmt: skip
-        flat[self.rank].copy_(own)
-        return self._issue("all_gather (as broadcasts)", lambda: [
-            dist.broadcast(flat[src], group=pg, async_op=async_op, group_src=src)
+        out.view(self.world, -1)[self.rank].copy_(own)
+        return self._issue_into("all_gather (as broadcasts)", out, async_op, lambda dst: [
+            dist.broadcast(dst.view(self.world, -1)[src], group=pg, async_op=async_op,
+                           group_src=src)
             for src in range(self.world)
         ])  # fmt: skip
 
@@ -137,9 +149,9 @@ class Collectives:
         pg = self.pg_for(out)
         parts = x.view(self.world, -1)
         if not self.mem_saving:
-            flat = out.view(-1)
-            return self._issue("reduce_scatter", lambda: [
-                dist.reduce_scatter_single(flat, parts.view(-1), group=pg, async_op=async_op)
+            return self._issue_into("reduce_scatter", out, async_op, lambda dst: [
+                dist.reduce_scatter_single(dst.view(-1), parts.view(-1), group=pg,
+                                           async_op=async_op)
             ])  # fmt: skip
 
         def reduces() -> list[Any]:
@@ -167,8 +179,8 @@ class Collectives:
         self, x: torch.Tensor, async_op: bool = False, op: Any = dist.ReduceOp.SUM
     ) -> _Works:
         pg = self.pg_for(x)
-        return self._issue("all_reduce", lambda: [
-            dist.all_reduce(x, op=op, group=pg, async_op=async_op)
+        return self._issue_into("all_reduce", x, async_op, lambda dst: [
+            dist.all_reduce(dst, op=op, group=pg, async_op=async_op)
         ])  # fmt: skip
 
 

@@ -285,6 +285,23 @@ def _stop_all(streams: list[SimStream]) -> None:
         stream._stop()
 
 
+class _LandsAtWait:
+    """A collective's work on the simulated device: its result reaches the destination at
+    `wait()`, as what reads it after waiting on a card sees it."""
+
+    def __init__(self, works: list, landing: torch.Tensor, dst: torch.Tensor) -> None:
+        self.works, self.landing, self.dst = [w for w in works if w is not None], landing, dst
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.landing is not None:
+            with torch.no_grad():
+                self.dst.copy_(self.landing)
+            self.works, self.landing = [], None
+        return True
+
+
 class SimulatedDevice(Device):
     """An asynchronous compute device on CPU memory whose side streams run on worker threads
     (see the module docstring). Each piece of side-stream work waits a delay drawn uniformly
@@ -313,6 +330,7 @@ class SimulatedDevice(Device):
         self.total_memory = host_memory_info()[1] if total_memory is None else total_memory
         self._context = _Context()
         self.streams: list[SimStream] = []
+        self.collectives = 0  # asynchronous collectives started (`collective`)
         # threads stop when the device is closed or collected, whichever comes first
         self._finalizer = weakref.finalize(self, _stop_all, self.streams)
 
@@ -341,6 +359,15 @@ class SimulatedDevice(Device):
                 work()
             return
         stream.launch(work, writes, label)
+
+    def collective(self, dst, issue):
+        """The collective runs into a copy of `dst`, which reads as poison and takes the
+        result only when the work is waited for."""
+        landing = dst.clone()  # an in-place collective's input too
+        works = issue(landing)
+        poison(dst)
+        self.collectives += 1
+        return [_LandsAtWait(works, landing, dst)]
 
     def empty(self, shape, dtype, *, stride=None, stream=None):
         if stride is None:

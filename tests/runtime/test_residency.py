@@ -31,19 +31,19 @@ class Gathers:
         self.waited.append(work)
 
 
-def grouped(chunks: int, groups_resident: int, prefetch: bool = False
+def grouped(chunks: int, groups_resident: int, prefetch: bool = False, staging: int = 0
             ) -> tuple[Residency, Gathers]:  # fmt: skip
     specs = [ChunkSpec(i, [ParamSlot(f"p{i}", (f"p{i}",), i, 0, (8, 8), True)], N)
              for i in range(chunks)]  # fmt: skip
     layout = ChunkLayout(N, torch.float32, specs, ranks=GROUP)
     params = {f"p{i}": torch.full((8, 8), float(i)) for i in range(chunks)}
-    budget = groups_resident * GROUP * layout.chunk_bytes
+    budget = groups_resident * GROUP * layout.chunk_bytes + staging
     m = ChunkManager(layout, params, budget=budget, arena_capacity=budget)
     owners = Gathers()
     residency = Residency(
         layout, m.chunks, m.stable, compute=m.compute,
         stats=m.stats, tracer=m.tracer, budget=budget, static_share=None, mem_cache=0,
-        prefetch=prefetch, owners=owners, load_unit=GROUP,
+        prefetch=prefetch, owners=owners, load_unit=GROUP, staging=staging,
     )  # fmt: skip
     residency.checking = True
     return residency, owners
@@ -133,3 +133,19 @@ def test_prefetch_looks_past_resident_chunks_and_not_past_the_room():
     done(m.residency, 0)
     m.residency.access(0, "forward")  # no room for 2 without evicting: nothing more
     assert [c.resident for c in m.chunks] == [True, True, False] and m.stats.loads == 2
+
+
+def test_gradient_staging_comes_off_every_moments_share():
+    """Sharded gradients are staged on the compute tier beside chunks and activations all
+    step: the chunks' share at every moment is the budget less the staging and that
+    moment's activations, so a budget of three groups with one group's bytes of staging
+    holds two groups resident, never three."""
+    unit = GROUP * N * 4
+    residency, _ = grouped(8, 2, staging=unit)
+    assert residency.budget == 3 * unit and residency.share(0) == 2 * unit
+    start(residency, [0, 2, 4, 6])
+    for chunk in (0, 2, 4):
+        residency.access(chunk, "forward")
+        done(residency, chunk)
+        assert residency.resident_bytes() <= 2 * unit, resident(residency)
+    assert len(resident(residency)) == 2 * GROUP and residency.stats.evictions == GROUP

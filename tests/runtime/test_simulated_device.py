@@ -26,15 +26,22 @@ restored; what failed (B: test_bitwise_against_the_cpu[case], by case):
 - GradAccumulator.zero_grad's wait, ChunkManager._begin's and ChunkManager.close's: the
   zero_grad, next-step and close tests after a backward that raised.
 - offload._Handle.take, `current.wait_event`: B[activation offload and its prefetch].
+- ChunkGroups.arrived, the wait for a prefetch's gather (Residency._arrived): data parallel
+  (an asynchronous collective's destination reads as poison until its wait:
+  SimulatedDevice.collective).
+- tensor parallel's overlapped collectives (tp_ops, each `.wait()` of an async_op): the column
+  linear's forward gather, its backward all-reduce (T[tensor parallel]), re-gather and
+  reduce-scatter, the row linear's backward gather and bias all-reduce (T[tensor parallel,
+  sequence]); T: test_tensor_parallel_overlapped_collectives_world_2.
+Not a wait, the budget's audit (Residency._audit_budget, on every access here): each moment's
+share not leaving room for the sharded gradient staging (Residency.share): data parallel
+(chunks, activations and staging over the budget at a backward access).
 Not caught here:
 - Device.copy_after's `side.wait_stream(current)` (every copy after what the current stream
   queued): GPU only. The simulated current stream runs its work before returning, so there is
   nothing queued for a side stream to wait for.
 - `record_stream` (offload, copy_after): GPU only; it keeps the caching allocator from reusing
   memory, and the simulated device's queued work holds its tensors alive.
-- Residency._arrived's wait for a prefetch's collective (data parallel, sharded): caught in
-  some runs only. The gather runs on gloo's thread, not the simulated device, and a block the
-  cache gives back to the same group already holds the values it would bring.
 - StepChunks.wait_for_grads (replicated data parallel), StepChunks.gradients_reduced's wait
   (sharded) and StepChunks.give_back's wait: backward's end waited already in every test. The
   sharded gradients are taken at once (nothing is in flight), and kept chunks' gradients never
@@ -82,6 +89,10 @@ def options(case: str) -> dict:
         return {**DATA_PARALLEL, "device_memory": "auto"}  # reduced to their owners
     if case == "data parallel replicated":  # every rank's copies, the owners' updates shared
         return {**DATA_PARALLEL, "device_memory": "auto", "data_parallel_shard": "optimizer"}
+    if case.startswith("tensor parallel"):  # world 2: overlapped collectives (nanotron's)
+        sequence = "sequence" in case  # gathers and reduce-scatters, else all-reduces
+        tp = {"size": 2, "async_communication": True, "sequence_parallel": sequence}
+        return {"tensor_parallel": tp, "optimizer": OPT}
     tight = {"device_memory": budget(0.4), "optimizer": OPT, "hybrid_adam": False}
     return {
         "prefetch under a tight budget": tight,
@@ -146,7 +157,8 @@ def run(case: str, device: SimulatedDevice | None, *, checkpoint_dir=None) -> di
     record: list = []
     with on(device):
         engine = fxstar.compile(tiny_gpt(), plan, **example("gpt", *tokens()))
-        engine.chunks.checking = True  # the residency's invariants at every access
+        if engine.chunks is not None:
+            engine.chunks.checking = True  # the residency's invariants at every access
         train(engine, range(2), record)
         if checkpoint_dir is not None:
             engine.save(checkpoint_dir / "ckpt")
@@ -156,17 +168,21 @@ def run(case: str, device: SimulatedDevice | None, *, checkpoint_dir=None) -> di
         if device is not None:
             device.synchronize()  # what failed on a worker thread is raised here
         manager = engine.chunks
-        groups = manager.data_parallel
+        groups = manager.data_parallel if manager is not None else None
         offload = engine.program.decisions.offload_activations
         facts = {
-            "evictions": manager.stats.evictions,
-            "prefetch hits": manager.stats.prefetch_hits,
-            "overlapped": manager.grad_copy_overlap() is not None,
-            "kept": len(engine.optimizer.device_chunks),
+            "evictions": manager is not None and manager.stats.evictions,
+            "prefetch hits": manager is not None and manager.stats.prefetch_hits,
+            "overlapped": manager is not None and manager.grad_copy_overlap() is not None,
+            "kept": len(getattr(engine.optimizer, "device_chunks", ())),
             "offload prefetched": 0 if offload is None else offload.stats.prefetched,
-            "group loads": manager.residency.load_unit > 1,
+            "group loads": manager is not None and manager.residency.load_unit > 1,
             "gradients staged": groups is not None and groups.peak_staging_bytes > 0,
+            # the staging the plan leaves room for at every moment bounds what was staged
+            "staging within its room": groups is not None
+            and 0 < groups.peak_staging_bytes <= engine.program.decisions.chunk_plan.staging_bytes,
             "replicated": groups is not None and not groups.sharded,
+            "collectives landed at their wait": device is not None and device.collectives > 0,
         }
         engine.close()
     return {"record": record, "facts": facts}
@@ -190,8 +206,12 @@ EXERCISED = {
     "overlapped gradient copies bf16, accumulated": ("evictions", "overlapped"),
     "activation offload and its prefetch": ("offload prefetched",),
     "kept chunks bf16": ("kept",),
-    "data parallel sharded": ("evictions", "group loads", "gradients staged"),
+    "data parallel sharded": (
+        "evictions", "group loads", "staging within its room", "collectives landed at their wait",
+    ),
     "data parallel replicated": ("evictions", "overlapped", "replicated"),
+    "tensor parallel": ("collectives landed at their wait",),
+    "tensor parallel, sequence": ("collectives landed at their wait",),
 }
 
 
@@ -222,6 +242,21 @@ def _data_parallel(rank: int, world: int) -> None:
 
 def test_data_parallel_world_2():
     spawn(_data_parallel, 2)
+
+
+def _tensor_parallel(rank: int, world: int) -> None:
+    for case in TENSOR_PARALLEL:
+        check(case)
+
+
+TENSOR_PARALLEL = [c for c in EXERCISED if c.startswith("tensor parallel")]
+
+
+def test_tensor_parallel_overlapped_collectives_world_2():
+    """Each overlapped collective's destination reads as poison until its wait: the
+    column linear's gather in forward, its all-reduce or reduce-scatter and re-gather in
+    backward."""
+    spawn(_tensor_parallel, 2)
 
 
 # -- the gradient copies' waits a whole step cannot reach: a slot's second gradient in one
