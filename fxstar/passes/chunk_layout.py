@@ -146,8 +146,7 @@ class BudgetNeed:
         staged = (f" and {format_size(self.staging)} of data-parallel gradient staging"
                   if self.staging else "")  # fmt: skip
         where = (
-            f"beside about {format_size(self.activations)} of activations and temporaries"
-            f"{staged}"
+            f"beside about {format_size(self.activations)} of activations and temporaries{staged}"
             if self.static_ratio is None
             else f"in the static partition (warmup_gpu_chunk_mem_ratio {self.static_ratio:g})"
         )

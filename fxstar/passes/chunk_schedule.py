@@ -536,12 +536,12 @@ def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,
     """The room the chunks have under `budget`, decided here once for the runtime to follow.
     The arena spans the budget and the chunks' share is enforced per moment, beside that
     moment's bytes besides chunks and the gradient staging of sharded data-parallel payloads
-    (held on the compute tier all step): on a CPU-only machine the arena's freed pages go back to the system, on a card
-    chunk blocks come from the allocator activations use (arena.PooledBlocks), so the room
-    activations leave early in forward and late in backward holds chunks (dynamic
-    partition). Without a budget (bf16/fp16 alone) every chunk stays resident and activations
-    are not budgeted. The first capture's arena is the engine's: later captures run in it
-    (check_arena)."""
+    (held on the compute tier all step): on a CPU-only machine the arena's freed pages go
+    back to the system, on a card chunk blocks come from the allocator activations use
+    (arena.PooledBlocks), so the room activations leave early in forward and late in backward
+    holds chunks (dynamic partition). Without a budget (bf16/fp16 alone) every chunk stays
+    resident and activations are not budgeted. The first capture's arena is the engine's:
+    later captures run in it (check_arena)."""
     device = program.compute_device()
     if budget is None:
         block = -(-layout.chunk_bytes // ARENA_ALIGNMENT) * ARENA_ALIGNMENT  # blocks round up

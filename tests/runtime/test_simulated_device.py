@@ -207,7 +207,10 @@ EXERCISED = {
     "activation offload and its prefetch": ("offload prefetched",),
     "kept chunks bf16": ("kept",),
     "data parallel sharded": (
-        "evictions", "group loads", "staging within its room", "collectives landed at their wait",
+        "evictions",
+        "group loads",
+        "staging within its room",
+        "collectives landed at their wait",
     ),
     "data parallel replicated": ("evictions", "overlapped", "replicated"),
     "tensor parallel": ("collectives landed at their wait",),
