@@ -97,12 +97,15 @@ class LossScaler:
 
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient flowing back by the scale, so a plain
-    `loss.backward()` produces scaled gradients while the loss the user sees is unscaled."""
+    `loss.backward()` produces scaled gradients while the loss the user sees is unscaled. The
+    loss comes out as a copy, not a view: callers may change it in place (the Hugging Face
+    Trainer multiplies it by the number of processes), which autograd refuses on a custom
+    Function's view."""
 
     @staticmethod
     def forward(ctx, loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
-        return loss.view_as(loss)
+        return loss.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
