@@ -13,6 +13,9 @@ reports real device memory:
 - meta: the GPT built on the meta device, compiled for the device (`plan.device`) with the
   tight budget, its weights read from a safetensors file of the eager model's into pinned
   host homes: the model never exists on the device, nor twice on the host.
+On a card (and the simulated device) every check also needs the chunk blocks to come from the
+allocator activations use (arena.PooledBlocks: dynamic partition); the script sets
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set already.
 On a CPU-only machine the same checks run on the CPU (the device-only facts are skipped), so
 the script itself is tested everywhere; `--device simulated` runs them on the CPU through
 fxstar.testing.SimulatedDevice, whose copies between the tiers run later on worker threads
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -38,7 +42,8 @@ from gpt_setup import add_gpt_args
 import fxstar
 from fxstar.models.gpt import GPT, GPTConfig
 from fxstar.passes.chunk_layout import nonmodel_peak
-from fxstar.runtime.device import using_device
+from fxstar.runtime.arena import PooledBlocks
+from fxstar.runtime.device import device_for, using_device
 from fxstar.testing.async_device import SimulatedDevice
 from fxstar.weights import write_safetensors
 
@@ -128,8 +133,11 @@ def run(
         error = float((p.detach().double() - q.detach().double().to(p.device)).abs().max())
         check.max_param_error = max(check.max_param_error, error)
     manager = engine.chunks
+    pooled = manager is not None and isinstance(manager.arena, PooledBlocks)
     if manager is not None:
         check.facts["arena device"] = str(manager.arena.device)
+        # dynamic partition: on a card chunk blocks come from the allocator activations use
+        check.facts["chunk blocks"] = type(manager.arena).__name__
         check.facts["host homes pinned"] = bool(manager.chunks[0].payload.is_pinned())
         check.facts["kept chunks"] = f"{len(engine.optimizer.device_chunks)}/{len(manager.chunks)}"
         check.facts["bytes to compute per step"] = list(manager.stats.per_step_bytes)[-1:]
@@ -142,6 +150,8 @@ def run(
     kept = manager is not None and bool(engine.optimizer.device_chunks)
     check.ok = check.max_param_error <= tolerance and within_budget
     check.ok = check.ok and (kept or not plan.hybrid_adam)
+    # on a card and the simulated device the chunk blocks must be the allocator's
+    check.ok = check.ok and (manager is None or pooled == device_for(device).pooled_chunk_blocks)
     return check
 
 
@@ -155,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    # chunk blocks and activations share torch's caching allocator (dynamic partition):
+    # expandable segments let a freed chunk block hold activations of other sizes
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     simulated = args.device == "simulated"
     device = torch.device("cpu" if simulated else args.device)
     with contextlib.ExitStack() as stack:
@@ -191,6 +204,8 @@ def report(args, device: torch.device, name: str, checks: list[Check]) -> int:
     """The table (and --json); 0 when every check passed."""
     print(f"device {device} ({name}); GPT {args.layers} layers, d={args.width}, "
           f"batch {args.batch_size} x {args.seq_len}")  # fmt: skip
+    if device.type == "cuda":
+        print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}")
     header = (f"{'check':<8} {'ok':<4} {'loss err':>9} {'param err':>9} {'budget':>12} "
               f"{'peak dev':>12} {'s':>6}")  # fmt: skip
     print(header)

@@ -31,6 +31,7 @@ def test_every_check_passes_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert set(checks) == {"chunks", "overlap", "hybrid", "offload", "meta"}
     assert checks["hybrid"]["facts"]["kept chunks"] != "0/1"
     assert "gradient copies hidden" in checks["overlap"]["facts"]
+    assert {c["facts"]["chunk blocks"] for c in checks.values()} == {"ArenaBuffer"}
 
 
 def test_every_check_passes_on_the_simulated_device(tmp_path, capsys, monkeypatch):
@@ -46,3 +47,5 @@ def test_every_check_passes_on_the_simulated_device(tmp_path, capsys, monkeypatc
     assert set(checks) == {"chunks", "overlap", "hybrid", "offload", "meta"}
     assert checks["hybrid"]["facts"]["kept chunks"] != "0/7"
     assert all("gradient copies hidden" in c["facts"] for c in checks.values())
+    # dynamic partition: chunk blocks from the allocator activations use, as on a card
+    assert {c["facts"]["chunk blocks"] for c in checks.values()} == {"PooledBlocks"}
