@@ -6,7 +6,10 @@ transformers skip cleanly when it is not installed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +141,16 @@ def activation_budget(factory, share: float, **compile_kwargs) -> int:
 
     program = compile(factory(), Plan(passes=["shape_memory"]), **compile_kwargs).program
     return nonmodel_peak(program) + int(share * program.param_bytes)
+
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def benchmark(name: str, monkeypatch):
+    """benchmarks/<name>.py as a module, importing as when run as a script (gpt_setup)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -1,23 +1,13 @@
 """benchmarks/device_check.py, the script a session lent a GPU runs first, works here on the
 CPU (its device-only facts skipped), so it is ready when a device is."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
-SCRIPT = BENCHMARKS / "device_check.py"
+from conftest import benchmark
 
 
 def device_check(monkeypatch):
-    """benchmarks/device_check.py as a module."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run as a script: gpt_setup
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("device_check", monkeypatch)
 
 
 def test_every_check_passes_on_the_cpu(tmp_path, capsys, monkeypatch):
