@@ -6,9 +6,11 @@ that runs): chunks move between the tiers each step.
 
 What is exact and why:
 - against transformers' own Trainer on the same model, data and arguments (weight decay,
-  clipping, accumulation with a shorter last window, the linear schedule), the losses agree
-  to 1e-6 and the parameters to 1e-6: the forward and backward are the same arithmetic, the
-  update is HybridAdam's C++ AdamW against torch.optim.AdamW, which round differently;
+  clipping, accumulation with a shorter last window, the linear schedule, dropout), the
+  losses agree to 1e-6 relative and the parameters to 1e-5 absolute after six updates: the
+  update is HybridAdam's C++ AdamW against torch.optim.AdamW, which round differently, and
+  Adam divides each gradient by its own running size, so a gradient that is zero but for
+  rounding (GPT-2's attention key biases) moves its parameter by rounding's share of lr;
 - a run interrupted at a save_steps checkpoint and resumed from it reproduces the
   uninterrupted run bit for bit (losses, learning rates, gradient norms, final parameters),
   dropout included: the resumed engine loads the same fp32 values and optimizer state, the
@@ -122,18 +124,29 @@ def test_resume_reproduces_the_uninterrupted_run(family, precision, make_model, 
     assert not files & {"optimizer.pt", "scheduler.pt", "model.safetensors", "pytorch_model.bin"}
 
 
-def test_trains_as_the_transformers_trainer(make_model, blocks, tmp_path):
+def drawing_collator(features: list[dict]) -> dict:
+    """transformers' default collator, after a draw from torch's generator (as masking
+    collators draw): a batch drawn to compile must leave the generator as it was."""
+    torch.rand(1)
+    return transformers.default_data_collator(features)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_trains_as_the_transformers_trainer(family, make_model, blocks, tmp_path):
     """10 blocks in batches of 2, two accumulated a step: windows of 2, 2 and 1 batch an
-    epoch, two epochs; weight decay, clipping at 1.0 and the linear schedule."""
+    epoch, two epochs; weight decay, clipping at 1.0, the linear schedule, GPT-2's dropout
+    drawn from the generator the collator also draws from."""
     data = Subset(blocks, range(10))
     args = arguments(tmp_path, num_train_epochs=2, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, weight_decay=0.1,
                      optim="adamw_torch")  # fmt: skip
-    model = make_model("llama")
+    model = make_model(family)
     eager = copy.deepcopy(model)
-    fx = FxstarTrainer(model=model, args=args, train_dataset=data, plan=PAGED)
+    fx = FxstarTrainer(model=model, args=args, train_dataset=data, plan=PAGED,
+                       data_collator=drawing_collator)  # fmt: skip
     fx.train()
-    hf = transformers.Trainer(model=eager, args=args, train_dataset=data)
+    hf = transformers.Trainer(model=eager, args=args, train_dataset=data,
+                              data_collator=drawing_collator)  # fmt: skip
     hf.train()
     assert fx.state.global_step == hf.state.global_step == 6
     ours, theirs = step_logs(fx), step_logs(hf)
@@ -142,7 +155,7 @@ def test_trains_as_the_transformers_trainer(make_model, blocks, tmp_path):
         assert got["learning_rate"] == want["learning_rate"]
     expected = eager.state_dict()
     for name, value in fx.engine.state_dict().items():
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
     # one engine update per Trainer step, the shorter windows too
     engine = fx.engine
     assert engine.step_count == 6 * 2
