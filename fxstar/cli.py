@@ -1,10 +1,12 @@
-"""The `fxstar` command: dump, diff, plan and train from a shell.
+"""The `fxstar` command: dump, diff, plan, train and export from a shell.
 
 fxstar dump fxstar.models.gpt:tiny --passes shape_memory
 fxstar diff fxstar.models.gpt:tiny capture shape_memory --passes shape_memory
 fxstar plan examples/my_model.py:make --plan plan.json
 fxstar train --steps 200
 fxstar train examples/my_model.py:make --steps 20 --device-memory 50%
+fxstar train --model-config ./tiny-llama --data notes.txt --device-memory 50%
+fxstar export runs/step-1000 exported/
 """
 
 from __future__ import annotations
@@ -30,13 +32,65 @@ transformers batch with its labels). fxstar.models.gpt:tiny is the reference GPT
 # `fxstar train`'s GPT size: flag -> (TrainConfig field, default, default with a share as
 # --device-memory). The second is `make demo`'s paged GPT: at the first size activations
 # outweigh the parameters eight times over, so no share of the parameters could hold them.
-SIZES = {
+GPT_SIZES = {
     "layers": ("n_layer", 4, 4),
     "heads": ("n_head", 4, 8),
     "width": ("n_embd", 128, 512),
+}
+BATCH_SIZES = {  # every model trained on a text: the GPT's defaults
     "batch_size": ("batch_size", 8, 2),
     "seq_len": ("seq_len", 64, 32),
 }
+SIZES = {**GPT_SIZES, **BATCH_SIZES}
+DTYPES = ("float32", "bfloat16", "float16")  # what `fxstar export --dtype` casts to
+TRAIN_ABOUT = """\
+Train a model through fxstar.compile, as a loop of your own would, and report what the
+engine did. What is trained is the first of these that is given:
+
+  TARGET              your MODULE:FACTORY, on its example inputs (the same batch every step)
+  --model-config DIR  a transformers causal language model built from DIR/config.json (fresh
+                      weights, nothing downloaded), on a text
+  neither             the reference GPT, a character at a time, on a text
+
+The text is --data FILE, or a short one that ships with fxstar; a tenth of it is held out
+and the held-out loss printed at the end. A transformers model reads it through --tokenizer
+DIR (a local tokenizer directory), or through a byte-level BPE trained on the text. With a
+share as --device-memory (40%), the GPT's sizes not given default to a larger model whose
+parameters outweigh its activations, so the share holds both.
+
+On a terminal a progress bar shows the loss, tokens a second and the MiB each memory tier of
+the chunk engine holds (compute: parameter chunks at their fullest, kept: chunks kept there
+with their optimizer state, activations, host); into a log it is one line per tenth of the
+run. The run ends with the engine's report."""
+TRAIN_EXAMPLES = """examples:
+  fxstar train
+      the reference GPT on the shipped text, 200 steps
+  fxstar train --device-memory 40% --steps 50
+      its parameters paged through a compute tier of 40% of their bytes
+  fxstar train --model-config ./tiny-llama --data notes.txt --seq-len 128 --steps 100
+      a transformers model from a local config, tokenizer trained on notes.txt
+  fxstar train --model-config ./gpt2 --tokenizer ./gpt2 --data corpus.txt --device-memory 1GiB
+      its own tokenizer; parameters paged through 1 GiB
+  fxstar train examples/my_model.py:make --steps 20 --json run.json
+      your model on its example inputs; losses and the report as JSON"""
+EXPORT_ABOUT = """\
+Write a checkpoint directory that engine.save wrote (at any topology: one process,
+tensor-parallel or data-parallel ranks) as files any library reads, without building an
+engine: a transformers model directory that from_pretrained opens (config.json, the weights
+in safetensors, sharded by --max-shard-size with model.safetensors.index.json), or with
+--state-dict one safetensors file of the model's state dict (any model). The checkpoint's
+files are checked against their checksums first; the tensors are read and written one at a
+time.
+
+A transformers model's config is recorded in the checkpoint when it is saved; give
+--model-config DIR for a checkpoint without one. OUT may be absent, empty or an earlier
+export; a directory or file holding anything else is refused, and nothing of it deleted."""
+EXPORT_EXAMPLES = """examples:
+  fxstar export runs/step-1000 exported
+      then AutoModelForCausalLM.from_pretrained("exported")
+  fxstar export runs/step-1000 exported --max-shard-size 2GB --dtype bfloat16
+  fxstar export runs/step-1000 gpt.safetensors --state-dict
+      then model.load_state_dict(safetensors.torch.load_file("gpt.safetensors"))"""
 # What a command reports in one line (exit status 2) instead of a traceback: the errors fxstar
 # raises on purpose (a plan, target or flag it cannot use; an option not built yet), a path
 # the user gave that is missing or not readable/writable (--plan, --data, a target file, an
@@ -127,6 +181,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.timeline is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--timeline: needs matplotlib (pip install fxstar[viz])")
     target = None
+    _check_what_trains(args)
     if args.target is not None and args.res_check:
         raise UsageError("--res-check: runs on the reference GPT; leave TARGET out")
     if args.target is not None:
@@ -141,6 +196,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     plan = _plan(args, target.plan if target is not None else None)
     if args.timeline is not None and not Topology(plan).uses_chunks:
         raise UsageError("--timeline: draws the chunk engine's memory; give --device-memory")
+    if args.model_config is not None:
+        _train_transformers(args, plan)
+        return
     if target is not None:
         result = train_target(target, plan, steps=args.steps, log_every=args.log_every,
                               timeline=args.timeline, progress=not args.no_progress)  # fmt: skip
@@ -179,6 +237,59 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.json:
         write_json(args.json, config, plan, result)
         print(f"wrote {args.json}")
+
+
+def _check_what_trains(args: argparse.Namespace) -> None:
+    """Flags that do not fit what is trained are refused before anything is built."""
+    if args.model_config is None:
+        if args.tokenizer is not None:
+            raise UsageError("--tokenizer: for a transformers model; give --model-config DIR")
+        return
+    if args.target is not None:
+        raise UsageError("--model-config: trains a transformers model; leave TARGET out")
+    given = [f"--{f.replace('_', '-')}" for f in GPT_SIZES if getattr(args, f) is not None]
+    given += ["--res-check"] if args.res_check else []
+    if given:
+        raise UsageError(f"{', '.join(given)}: the reference GPT's options; the model of "
+                         "--model-config is as its config.json says")  # fmt: skip
+
+
+def _train_transformers(args: argparse.Namespace, plan: Plan) -> None:
+    from fxstar.train import write_json
+    from fxstar.train_transformers import TransformersRun, train_transformers
+
+    sizes = {field: getattr(args, flag) if getattr(args, flag) is not None else default
+             for flag, (field, default, _) in BATCH_SIZES.items()}  # fmt: skip
+    run = TransformersRun(model_config=args.model_config, data=args.data,
+                          tokenizer=args.tokenizer, steps=args.steps, seed=args.seed,
+                          log_every=args.log_every, timeline=args.timeline,
+                          **sizes)  # fmt: skip
+    result = train_transformers(run, plan, progress=not args.no_progress)
+    if args.json:
+        write_json(args.json, dataclasses.asdict(run), plan, result)
+        print(f"wrote {args.json}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    import torch
+
+    from fxstar.saving.export import export_state_dict, save_pretrained
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    if args.state_dict:
+        ignored = [flag for flag, value in (("--model-config", args.model_config),
+                   ("--max-shard-size", args.max_shard_size)) if value is not None]  # fmt: skip
+        if ignored:
+            raise UsageError(f"{', '.join(ignored)}: for a transformers directory, not "
+                             "--state-dict")  # fmt: skip
+        written = export_state_dict(args.checkpoint, args.out, dtype=dtype)
+        print(f"wrote {written} ({written.stat().st_size:,} bytes)")
+        return
+    written = save_pretrained(args.checkpoint, args.out, max_shard_size=args.max_shard_size,
+                              dtype=dtype, config=args.model_config)  # fmt: skip
+    files = sorted(written.iterdir())
+    total = sum(f.stat().st_size for f in files)
+    print(f"wrote {written}: {', '.join(f.name for f in files)} ({total:,} bytes)")
 
 
 def _check_gpt_sizes(sizes: dict[str, int]) -> None:
@@ -220,8 +331,14 @@ def _count(minimum: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxstar", description=__doc__.splitlines()[0],
-                                     epilog=EPILOG)  # fmt: skip
+    title, *lines = [line for line in __doc__.splitlines() if line]
+    examples = "examples:\n" + "\n".join(f"  {line}" for line in lines)
+    parser = argparse.ArgumentParser(
+        prog="fxstar",
+        description=title,
+        epilog=f"{examples}\n\n{EPILOG}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def compiled(name: str, help: str) -> argparse.ArgumentParser:
@@ -246,40 +363,73 @@ def build_parser() -> argparse.ArgumentParser:
     p = compiled("plan", "memory estimate of one training step under a plan")
     p.set_defaults(func=cmd_plan)
 
-    about = "train the reference GPT on a small text (the demo), or TARGET on its example inputs"
-    paged = (
-        "With a share as --device-memory (40%), the GPT's sizes not given default to a "
-        "larger model whose parameters outweigh its activations, so the share holds both."
+    about = "train the reference GPT, a transformers model from a config, or TARGET"
+    p = sub.add_parser("train", help=about, description=TRAIN_ABOUT, epilog=TRAIN_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    what = p.add_argument_group("what to train")
+    what.add_argument("target", metavar="TARGET", nargs="?",
+                      help="MODULE:FACTORY whose model returns its loss; trained on its example "
+                      "inputs, the same batch every step (default: the reference GPT)")  # fmt: skip
+    what.add_argument("--model-config", metavar="DIR",
+                      help="a transformers config directory (config.json): its causal language "
+                      "model, with fresh weights, trained on the text")  # fmt: skip
+    what.add_argument("--tokenizer", metavar="DIR",
+                      help="with --model-config: a local tokenizer directory (default: a "
+                      "byte-level BPE trained on the text)")  # fmt: skip
+    what.add_argument(
+        "--data",
+        metavar="TEXT_FILE",
+        help="the text to train on (default: a short one shipped with fxstar)",
     )
-    p = sub.add_parser("train", help=about, description=f"{about}. {paged}", epilog=EPILOG)
-    p.add_argument("target", metavar="TARGET", nargs="?",
-                   help="MODULE:FACTORY whose model returns its loss; trained on its example "
-                   "inputs, the same batch every step (default: the reference GPT)")  # fmt: skip
-    p.add_argument("--plan", metavar="PLAN.json", help="plan options as JSON")
-    p.add_argument("--passes", metavar="A,B", help="passes to run in addition to the plan's")
-    p.add_argument("--steps", type=_count(1), default=200)
-    for flag, (field, default, paged) in SIZES.items():
-        p.add_argument(
-            f"--{flag.replace('_', '-')}",
-            type=_count(1),
-            help=f"the GPT's {field} (default {default}; {paged} with a share)",
-        )
-    p.add_argument("--lr", type=float, help="learning rate (default: the plan's)")
-    p.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
-    p.add_argument("--timeline", metavar="PNG", help="with --device-memory: memory per moment")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=_count(0), default=10,
-                   help="print the loss every N steps (0: never)")  # fmt: skip
-    p.add_argument("--data", metavar="TEXT_FILE", help="train on this text instead")
-    p.add_argument("--json", metavar="PATH", help="write losses and the report as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
+    gpt = p.add_argument_group("the reference GPT's sizes")
+    for flag, (field, default, paged) in GPT_SIZES.items():
+        gpt.add_argument(f"--{flag}", type=_count(1),
+                         help=f"its {field} (default {default}; {paged} with a share)")  # fmt: skip
+    steps = p.add_argument_group("training")
+    steps.add_argument("--steps", type=_count(1), default=200, help="optimizer steps (200)")
+    for flag, what in (("batch_size", "sequences a step"), ("seq_len", "tokens a sequence")):
+        _, default, paged = BATCH_SIZES[flag]
+        steps.add_argument(f"--{flag.replace('_', '-')}", type=_count(1),
+                           help=f"{what} (default {default}; the GPT's {paged} with a "
+                           "share)")  # fmt: skip
+    steps.add_argument("--lr", type=float, help="learning rate (default: the plan's)")
+    steps.add_argument("--seed", type=int, default=0, help="weights, batches, dropout (0)")
+    memory = p.add_argument_group("plan and memory")
+    memory.add_argument("--plan", metavar="PLAN.json", help="plan options as JSON")
+    memory.add_argument("--passes", metavar="A,B", help="passes to run in addition to the plan's")
+    memory.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
+    out = p.add_argument_group("output")
+    out.add_argument("--log-every", type=_count(0), default=10,
+                     help="print the loss every N steps (0: never)")  # fmt: skip
+    out.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    out.add_argument("--json", metavar="PATH", help="write losses and the report as JSON")
+    out.add_argument("--timeline", metavar="PNG",
+                     help="with --device-memory: draw memory per moment")  # fmt: skip
+    checks = p.add_argument_group("checks")
+    checks.add_argument(
         "--res-check",
         action="store_true",
         help="under torchrun (2+ ranks): train the GPT data parallel and in one "
         "process on the same batches (dropout off); print both losses per step",
     )
     p.set_defaults(func=cmd_train)
+
+    about = "write a checkpoint as a transformers directory or a state dict file"
+    p = sub.add_parser("export", help=about, description=EXPORT_ABOUT, epilog=EXPORT_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory engine.save wrote")
+    p.add_argument("out", metavar="OUT", help="the directory (or with --state-dict, the file)")
+    p.add_argument("--state-dict", action="store_true",
+                   help="one safetensors file of the model's state dict (any model)")  # fmt: skip
+    p.add_argument("--model-config", metavar="DIR",
+                   help="the transformers config directory the model was built from (default: "
+                   "the config the checkpoint recorded)")  # fmt: skip
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="the most bytes of one weight file, e.g. 5GB (default: transformers' "
+                   "50GB)")  # fmt: skip
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="cast the floating-point weights (default: as trained)")  # fmt: skip
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -109,13 +109,14 @@ def train(config: TrainConfig, plan: Plan, *, progress: bool = True) -> TrainRes
     )
     result = TrainResult()
     first = data.batch(config.batch_size)
-    engine = _compile(model, plan, first, {}, result)
+    engine = compile_engine(model, plan, first, {}, result)
 
     def batch(step: int) -> tuple[tuple, dict]:
         return (first if step == 0 else data.batch(config.batch_size)), {}
 
-    elapsed = _loop(engine, batch, config.steps, config.log_every, progress, result)
-    result.tokens_per_second = result.steps_per_second * config.batch_size * config.seq_len
+    tokens = config.batch_size * config.seq_len
+    elapsed = run_steps(engine, batch, config.steps, config.log_every, progress, result, tokens)
+    result.tokens_per_second = result.steps_per_second * tokens
 
     engine.eval()
     with torch.no_grad():
@@ -128,7 +129,7 @@ def train(config: TrainConfig, plan: Plan, *, progress: bool = True) -> TrainRes
         f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out loss "
         f"{result.eval_loss:.3f} (uniform guess: {math.log(data.vocab_size):.3f})"
     )
-    _finish(engine, result, config.timeline)
+    finish(engine, result, config.timeline)
     return result
 
 
@@ -170,17 +171,17 @@ def train_target(
     print(f"{type(model).__name__}: {n_params / 1e6:.2f}M parameters; its example inputs, "
           f"repeated for {steps} steps")  # fmt: skip
     result = TrainResult()
-    engine = _compile(model, plan, target.example_inputs, target.example_kwargs, result)
-    elapsed = _loop(engine, lambda step: (target.example_inputs, target.example_kwargs), steps,
-                    log_every, progress, result)  # fmt: skip
+    engine = compile_engine(model, plan, target.example_inputs, target.example_kwargs, result)
     tokens = tokens_per_step(target.example_inputs, target.example_kwargs)
+    elapsed = run_steps(engine, lambda step: (target.example_inputs, target.example_kwargs),
+                        steps, log_every, progress, result, tokens)  # fmt: skip
     rate = ""
     if tokens is not None:
         result.tokens_per_second = result.steps_per_second * tokens
         rate = f" ({result.tokens_per_second:,.0f} tokens/s)"
     print(f"trained {steps} steps in {elapsed:.1f}s{rate}; loss {result.losses[0]:.4f} -> "
           f"{result.losses[-1]:.4f}")  # fmt: skip
-    _finish(engine, result, timeline)
+    finish(engine, result, timeline)
     return result
 
 
@@ -215,7 +216,7 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-def _compile(model, plan: Plan, args: tuple, kwargs: dict, result: TrainResult):
+def compile_engine(model, plan: Plan, args: tuple, kwargs: dict, result: TrainResult):
     start = time.perf_counter()
     engine = compile(model, plan, example_inputs=args, example_kwargs=kwargs)  # captures now
     result.compile_seconds = time.perf_counter() - start
@@ -224,17 +225,20 @@ def _compile(model, plan: Plan, args: tuple, kwargs: dict, result: TrainResult):
     return engine
 
 
-def _loop(
+def run_steps(
     engine,
     batch: Callable[[int], tuple[tuple, dict]],
     steps: int,
     log_every: int,
     progress: bool,
     result: TrainResult,
+    tokens: int | None = None,
 ) -> float:
     """`steps` training steps on `batch(step)`: forward, backward, optimizer step, logging.
     Returns the seconds they took. The progress shows as a bar on a terminal; into a file
-    or a pipe (a captured log) as one line per tenth of the run instead of the bar's redraws."""
+    or a pipe (a captured log) as one line per tenth of the run instead of the bar's redraws;
+    both with the loss, tokens a second (`tokens`: a step's, None: not counted) and memory
+    per tier of a chunk engine."""
     bar = tqdm(range(steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not (progress and _on_terminal(sys.stderr)))  # fmt: skip
     lines = progress and bar.disable
@@ -245,14 +249,16 @@ def _loop(
         loss.backward()
         engine.step()
         result.losses.append(loss.item())
-        bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
+        done = step + 1
+        status = _status(engine, result.losses[-1], tokens, done, time.perf_counter() - start)
+        bar.set_postfix(status)
         if log_every and (step % log_every == 0 or step == steps - 1):
             tqdm.write(f"step {step:>5}  loss {result.losses[-1]:.4f}")
-        done = step + 1
         if lines and (done * PROGRESS_LINES // steps > step * PROGRESS_LINES // steps):
             rate = done / (time.perf_counter() - start)
+            rest = "".join(f", {k} {v}" for k, v in status.items() if k != "loss")
             print(f"train: {done}/{steps} steps ({100 * done // steps}%), loss "
-                  f"{result.losses[-1]:.4f}, {rate:.2f} steps/s",
+                  f"{result.losses[-1]:.4f}, {rate:.2f} steps/s{rest}",
                   file=sys.stderr, flush=True)  # fmt: skip
     elapsed = time.perf_counter() - start
     result.steps_per_second = steps / elapsed
@@ -260,6 +266,25 @@ def _loop(
 
 
 PROGRESS_LINES = 10  # progress lines of a run when stderr is not a terminal
+# the progress's names for train_metrics.tier_memory's figures (MiB)
+TIERS = {"compute_chunks_peak_mib": "compute", "compute_kept_mib": "kept",
+         "activations_peak_mib": "activations", "host_mib": "host",
+         "cuda_max_allocated_mib": "cuda"}  # fmt: skip
+
+
+def _status(engine, loss: float, tokens: int | None, done: int, seconds: float) -> dict[str, str]:
+    """What the progress shows after `done` steps in `seconds`: the loss, tokens a second,
+    and the MiB each tier of a chunk engine holds at its fullest (none without chunks: the
+    model is not paged, everything lies in one memory)."""
+    from fxstar.integrations.train_metrics import tier_memory
+
+    status = {"loss": f"{loss:.4f}"}
+    if tokens is not None:
+        status["tok/s"] = f"{tokens * done / max(seconds, 1e-9):,.0f}"
+    for name, mib in tier_memory(engine).items():
+        if mib:
+            status[TIERS.get(name, name)] = f"{mib:,.1f}MiB"
+    return status
 
 
 def _on_terminal(stream) -> bool:
@@ -267,7 +292,7 @@ def _on_terminal(stream) -> bool:
     return bool(isatty is not None and isatty())
 
 
-def _finish(engine, result: TrainResult, timeline: str | None) -> None:
+def finish(engine, result: TrainResult, timeline: str | None) -> None:
     result.report = engine.report()
     print(result.report)
     if timeline:

@@ -6,6 +6,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from fxstar.cli import main
 
@@ -364,3 +365,144 @@ def test_progress_into_a_log_is_a_line_per_tenth_not_a_bar(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main([*args[:2], "3", *args[3:]]) == 0
     assert "\r" in terminal.getvalue() and "train: 3/3 steps" not in terminal.getvalue()
+
+
+# -- a transformers model from a local config directory; export -----------------------------------
+
+
+def _llama_config(directory, vocab_size: int = 512) -> str:
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(directory)  # fmt: skip
+    return str(directory)
+
+
+def test_train_a_transformers_model_from_its_config_on_a_text(tmp_path, capsys):
+    """A config directory and a text, nothing downloaded: a tokenizer trained on the text, the
+    loss falls, the progress lines show tokens/s and each tier's memory, the report ends it."""
+    from fxstar.train import load_text
+
+    config = _llama_config(tmp_path / "llama")
+    text = tmp_path / "text.txt"
+    text.write_text(load_text(None))
+    out = tmp_path / "run.json"
+    args = ["train", "--model-config", config, "--data", str(text), "--steps", "20",
+            "--seq-len", "32", "--batch-size", "4", "--device-memory", "auto", "--lr", "3e-3",
+            "--log-every", "0", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed, err = capsys.readouterr()
+    assert "LlamaForCausalLM: " in printed and "tokenizer trained on the text" in printed
+    assert "held-out loss" in printed and "fxstar engine for LlamaForCausalLM" in printed
+    lines = [line for line in err.splitlines() if line.startswith("train: ")]
+    assert len(lines) == 10 and all(
+        re.search(r"tok/s [\d,]+, compute [\d.]+MiB, activations [\d.]+MiB, host [\d.]+MiB$", line)
+        for line in lines
+    ), lines  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["config"]["model_config"] == config and len(result["losses"]) == 20
+    assert result["losses"][-1] < result["losses"][0]
+    assert result["tokens_per_second"] == pytest.approx(result["steps_per_second"] * 4 * 32)
+    assert result["eval_loss"] == pytest.approx(result["eval_loss"])  # a number, not NaN
+
+
+def test_train_reads_a_local_tokenizer(tmp_path, capsys):
+    from fxstar.integrations.local_text import train_tokenizer
+    from fxstar.train import load_text
+
+    train_tokenizer(load_text(None), vocab_size=300).save_pretrained(tmp_path / "tokenizer")
+    args = ["train", "--tokenizer", str(tmp_path / "tokenizer"), "--steps", "2", "--seq-len",
+            "16", "--batch-size", "2", "--no-progress"]  # fmt: skip
+    assert main(["train", "--model-config", _llama_config(tmp_path / "llama"), *args[1:]]) == 0
+    assert f"tokenizer from {tmp_path / 'tokenizer'} (300 tokens)" in capsys.readouterr().out
+    small = _llama_config(tmp_path / "small", vocab_size=280)  # the tokenizer's ids pass it
+    assert main(["train", "--model-config", small, *args[1:]]) == 2
+    assert "beyond the model's vocabulary of 280" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", TINY, "--model-config", "{llama}"], "--model-config: trains a transformers"),
+        (["train", "--model-config", "{llama}", "--layers", "2"], "--layers: the reference GPT"),
+        (["train", "--tokenizer", "{llama}"], "--tokenizer: for a transformers model"),
+        (["train", "--model-config", "{missing}"], "missing: no config.json there"),
+        (["train", "--model-config", "{llama}", "--data", "{short}"], "too few for --seq-len"),
+        (["export", "{missing}", "{out}"], "CheckpointError: no fxstar checkpoint"),
+        (["export", "{gpt}", "{out}"], "ExportError: .*--state-dict"),
+        (["export", "{gpt}", "{users}", "--state-dict"], "ExportError: .*fxstar did not export"),
+        (["export", "{gpt}", "{out}", "--state-dict", "--max-shard-size", "1GB"],
+         "UsageError: --max-shard-size: for a transformers directory"),
+    ],
+)  # fmt: skip
+def test_transformers_and_export_mistakes_are_one_line(tmp_path, capsys, args, message):
+    from fxstar.engine import compile
+
+    (tmp_path / "short.txt").write_text("hello")
+    (tmp_path / "users.safetensors").write_text("mine")
+    paths = {"llama": _llama_config(tmp_path / "llama"), "missing": tmp_path / "missing",
+             "short": tmp_path / "short.txt", "gpt": tmp_path / "gpt", "out": tmp_path / "out",
+             "users": tmp_path / "users.safetensors"}  # fmt: skip
+    if "{gpt}" in args:
+        from fxstar.models.gpt import tiny
+
+        model, inputs = tiny()[:2]
+        compile(model, example_inputs=inputs).save(tmp_path / "gpt")
+    assert main([a.format(**paths) for a in args]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(message, err) and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and "trained" not in out
+    assert (tmp_path / "users.safetensors").read_text() == "mine"
+
+
+def test_export_a_checkpoint_for_transformers_and_as_a_state_dict(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from fxstar.engine import compile
+
+    config = transformers.AutoConfig.from_pretrained(_llama_config(tmp_path / "llama"))
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 512, (2, 8))
+    engine = compile(model, example_kwargs={"input_ids": ids, "labels": ids})
+    engine.save(tmp_path / "ckpt")
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    assert main(["export", ckpt, str(out), "--max-shard-size", "40KB", "--dtype", "bfloat16"]) == 0
+    assert f"wrote {out}: config.json, generation_config.json, model-00001-of-" in (
+        capsys.readouterr().out
+    )
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16
+    expected = {k: v.to(torch.bfloat16) for k, v in engine.state_dict().items()}
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
+    # a config given in place of the one recorded, and the state dict file
+    assert main(["export", ckpt, str(out), "--model-config", str(tmp_path / "llama")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors"]  # fmt: skip
+    assert main(["export", ckpt, str(tmp_path / "sd.safetensors"), "--state-dict"]) == 0
+    state = load_file(tmp_path / "sd.safetensors")
+    assert all(torch.equal(state[k], v) for k, v in engine.state_dict().items())
+
+
+def _examples(help_text: str) -> list[list[str]]:
+    return [line.split()[1:] for line in help_text.splitlines()
+            if line.startswith("  fxstar ")]  # fmt: skip
+
+
+def test_help_reads_like_a_manual_whose_examples_parse(capsys):
+    """Each command's help explains itself and ends in examples, every one of which is a
+    command line the parser accepts."""
+    from fxstar.cli import build_parser
+
+    parser = build_parser()
+    found = []
+    for command in ([], ["train"], ["export"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        text = capsys.readouterr().out
+        assert "examples:" in text
+        found += _examples(text)
+    assert len(found) >= 12 and {line[0] for line in found} == {
+        "dump", "diff", "plan", "train", "export"}  # fmt: skip
+    for line in found:
+        parser.parse_args(line)  # a usage error would exit
