@@ -1,0 +1,280 @@
+"""The disk tier: chunk parts (an fp32 master, Adam's moments) kept in files under a directory
+the user names, brought to host memory a few chunks at a time.
+
+Why a stream, not a cache: the optimizer step visits every chunk once, in one order, so the
+bytes it needs next are known. `DiskTier.stream` reads chunk i+1 while the caller updates chunk
+i and writes chunk i-1 back, through a ring of `depth` host slots: at most `depth` chunks'
+parts are in host memory at once (`staging_bytes`), whatever the model's size. Reads and
+writes run on the C++ core's I/O threads (runtime/disk_io.py, O_DIRECT where the filesystem
+allows it), the GIL released while they run and while a wait blocks.
+
+The directory belongs to one engine: an exclusive lock on a file in it (flock) refuses a second
+engine by name, in this process or another. `close()` removes the files this tier created, the
+lock, and the directory if the tier created it, unless `keep=True`; a file it did not create
+is never touched. A part's file is sized and its blocks reserved when the part is added, so a
+full disk shows at setup; an I/O error later is a DiskIOError naming the file, raised by the
+wait that needed the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from fxstar.errors import FxstarError
+from fxstar.runtime.disk_io import DiskFile, DiskIO, DiskIORequest, aligned_buffer, aligned_size
+from fxstar.runtime.tiers import Tier
+
+__all__ = ["DiskTier", "DiskTierError", "DiskTierStats"]
+
+LOCK_NAME = ".fxstar-disk-tier.lock"
+DEFAULT_DEPTH = 3  # slots: the chunk read ahead, the one updated, the one written back
+
+
+class DiskTierError(FxstarError):
+    """The disk tier's directory cannot be used: another engine holds it, or it is not a
+    directory."""
+
+
+@dataclass
+class DiskTierStats:
+    """What the tier moved and waited for."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    wait_seconds: float = 0.0  # the caller blocked on I/O (not hidden behind its work)
+    streams: int = 0
+    peak_staging_bytes: int = 0  # host bytes of the slots of one stream
+    per_stream: list[tuple[int, int, float]] = field(default_factory=list)  # read, written, wait
+
+
+@dataclass
+class _Slot:
+    buffers: dict[str, torch.Tensor]  # part -> aligned uint8 host buffer
+    pending: list[DiskIORequest] = field(default_factory=list)  # writes from this slot
+
+
+class DiskTier(Tier):
+    """Parts of chunks in files under `directory` (see the module). A part is named by
+    `(item, part)`: `item` any hashable (a chunk id), `part` a short name ('master')."""
+
+    name: ClassVar[str] = "disk"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: bool = False,
+        depth: int = DEFAULT_DEPTH,
+        threads: int = 2,
+        direct: bool = True,
+    ):
+        if depth < 2:
+            raise ValueError(f"depth: at least 2 slots (one updated, one read ahead), got {depth}")
+        self.directory = Path(directory)
+        self.keep, self.depth, self.direct = keep, depth, direct
+        self.created_directory = not self.directory.exists()
+        if not self.created_directory and not self.directory.is_dir():
+            raise DiskTierError(f"disk tier: {self.directory} exists and is not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._lock()
+        self.io = DiskIO(threads)
+        self.files: dict[tuple[Hashable, str], DiskFile] = {}
+        self.sizes: dict[tuple[Hashable, str], int] = {}  # bytes the caller stores in each
+        self.stats = DiskTierStats()
+        self.closed = False
+
+    def _lock(self) -> int:
+        path = self.directory / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DiskTierError(
+                f"disk tier: {self.directory} is in use by another engine (process {owner}, "
+                f"which holds {path.name}); give each engine a directory of its own"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    # -- parts ----------------------------------------------------------------------------------
+
+    def path_of(self, item: Hashable, part: str) -> Path:
+        return self.directory / f"fxstar-{item}-{part}.bin"
+
+    def add(self, item: Hashable, part: str, nbytes: int) -> None:
+        """A part of `nbytes`: its file made and its blocks reserved now (a full disk is a
+        DiskIOError here, not mid-step)."""
+        self._check_open()
+        key = (item, part)
+        if key in self.files:
+            raise ValueError(f"disk tier: part {part!r} of {item!r} was added already")
+        self.files[key] = DiskFile(str(self.path_of(item, part)), aligned_size(nbytes),
+                                   direct=self.direct)  # fmt: skip
+        self.sizes[key] = nbytes
+
+    def bytes_on_disk(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def write(self, item: Hashable, part: str, data: torch.Tensor) -> None:
+        """Store `data` (contiguous host tensor of the part's bytes) now."""
+        key = self._key(item, part, data)
+        staged = aligned_buffer(aligned_size(self.sizes[key]))
+        staged[: data.nbytes].copy_(data.reshape(-1).view(torch.uint8))
+        self._wait([self.io.write(self.files[key], 0, staged)])
+        self.stats.bytes_written += staged.nbytes
+
+    def read(self, item: Hashable, part: str, out: torch.Tensor) -> torch.Tensor:
+        """Read the part into `out` (contiguous host tensor of its bytes) now."""
+        key = self._key(item, part, out)
+        staged = aligned_buffer(aligned_size(self.sizes[key]))
+        self._wait([self.io.read(self.files[key], 0, staged)])
+        self.stats.bytes_read += staged.nbytes
+        out.reshape(-1).view(torch.uint8).copy_(staged[: out.nbytes])
+        return out
+
+    def _key(self, item: Hashable, part: str, t: torch.Tensor) -> tuple[Hashable, str]:
+        self._check_open()
+        key = (item, part)
+        if key not in self.files:
+            raise KeyError(f"disk tier: no part {part!r} of {item!r}")
+        if not t.is_contiguous() or t.device.type != "cpu" or t.nbytes != self.sizes[key]:
+            raise ValueError(
+                f"disk tier: part {part!r} of {item!r} holds {self.sizes[key]:,} bytes; got a "
+                f"{'contiguous' if t.is_contiguous() else 'non-contiguous'} {t.device} tensor "
+                f"of {t.nbytes:,}"
+            )
+        return key
+
+    # -- the stream a step reads and writes through ---------------------------------------------
+
+    def stream(
+        self, items: Sequence[Hashable], parts: Sequence[str], *, write_back: bool = True
+    ) -> Iterator[tuple[Hashable, dict[str, torch.Tensor]]]:
+        """Each of `items` in order with its `parts` in host memory: {part: uint8 tensor of
+        the part's bytes}, read ahead one item and written back (`write_back`) once the caller
+        asks for the next, through `depth` slots. Whatever the caller changed in a yielded
+        item's buffers is written back, also when it stops early or raises; every request is
+        waited for before the stream ends. Iterate it under `contextlib.closing` so an early
+        stop ends it at once, not when the generator is collected."""
+        self._check_open()
+        items = list(items)
+        for item in items:
+            for part in parts:
+                if (item, part) not in self.files:
+                    raise KeyError(f"disk tier: no part {part!r} of {item!r}")
+        largest = {p: max((aligned_size(self.sizes[(i, p)]) for i in items), default=0)
+                   for p in parts}  # fmt: skip
+        slots = [_Slot({p: aligned_buffer(n) for p, n in largest.items()})
+                 for _ in range(min(self.depth, max(len(items), 1)))]  # fmt: skip
+        self.stats.streams += 1
+        self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes,
+                                            len(slots) * sum(largest.values()))  # fmt: skip
+        before = (self.stats.bytes_read, self.stats.bytes_written, self.stats.wait_seconds)
+        reads: dict[int, list[DiskIORequest]] = {}  # position -> its reads in flight
+
+        def start_read(position: int) -> None:
+            slot = slots[position % len(slots)]
+            self._wait(slot.pending)  # the write that used the slot before has landed
+            slot.pending = []
+            item = items[position]
+            reads[position] = [
+                self.io.read(self.files[(item, p)], 0,
+                             slot.buffers[p][: aligned_size(self.sizes[(item, p)])])
+                for p in parts
+            ]  # fmt: skip
+
+        def finish(position: int) -> None:
+            if not write_back:
+                return
+            slot, item = slots[position % len(slots)], items[position]
+            for p in parts:
+                n = aligned_size(self.sizes[(item, p)])
+                slot.pending.append(self.io.write(self.files[(item, p)], 0, slot.buffers[p][:n]))
+                self.stats.bytes_written += n
+
+        position = -1
+        try:
+            if items:
+                start_read(0)
+            for position, item in enumerate(items):
+                if position + 1 < len(items):
+                    start_read(position + 1)
+                self._wait(reads.pop(position))
+                self.stats.bytes_read += sum(aligned_size(self.sizes[(item, p)]) for p in parts)
+                slot = slots[position % len(slots)]
+                yield item, {p: slot.buffers[p][: self.sizes[(item, p)]] for p in parts}
+                finish(position)
+                position = -1
+        finally:
+            if position >= 0:  # stopped inside an item: what it changed is kept, as on the host
+                finish(position)
+            with contextlib.suppress(Exception):  # a read ahead nobody will use
+                for pending in reads.values():
+                    self._wait(pending)
+            self._wait([w for slot in slots for w in slot.pending])
+            read, written, waited = before
+            self.stats.per_stream.append((self.stats.bytes_read - read,
+                                          self.stats.bytes_written - written,
+                                          self.stats.wait_seconds - waited))  # fmt: skip
+
+    def _wait(self, requests: Sequence[DiskIORequest]) -> None:
+        start = time.perf_counter()
+        try:
+            for request in requests:
+                request.wait()
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DiskTierError(f"disk tier: {self.directory} was closed")
+
+    def close(self) -> None:
+        """Finish the I/O, then remove the parts' files, the lock and (if this tier made it)
+        the directory, unless `keep`; files this tier did not create stay."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.io.close()
+        finally:
+            if not self.keep:
+                for key in self.files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path_of(*key))
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / LOCK_NAME)
+            os.close(self._lock_fd)
+            if not self.keep and self.created_directory:
+                with contextlib.suppress(OSError):  # not empty: someone put files there
+                    self.directory.rmdir()
+            self.files.clear()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        s = self.stats
+        return (
+            f"disk tier {self.directory}: {len(self.files)} parts, {self.bytes_on_disk():,} bytes "
+            f"on disk; {s.bytes_read:,} read, {s.bytes_written:,} written, "
+            f"{s.wait_seconds:.3f} s waited; at most {s.peak_staging_bytes:,} bytes in host "
+            f"slots ({self.depth} chunks)"
+        )
