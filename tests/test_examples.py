@@ -5,6 +5,8 @@ import importlib.util
 import os
 import sys
 
+import pytest
+
 from fxstar import passes
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -24,6 +26,16 @@ def test_gpt_example_trains(capsys):
     _load("gpt").main()
     losses = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()]
     assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+def test_hf_trainer_example_trains_and_evaluates(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    _load("hf_trainer").main(steps=10)
+    lines = capsys.readouterr().out.splitlines()
+    losses = [float(line.split("loss ")[1].split(",")[0]) for line in lines if ": loss " in line]
+    assert len(losses) == 2 and losses[-1] < losses[0]
+    assert any(": eval loss " in line for line in lines)
 
 
 @contextlib.contextmanager
