@@ -79,6 +79,26 @@ def test_from_pretrained_gives_the_engines_logits(family, tmp_path):
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [Plan(precision="bf16", device_memory="auto"), Plan(precision="bf16"),
+     Plan(tiled_linear={"in_splits": 2, "out_splits": 2, "min_size": 1024})],
+    ids=["chunks-bf16", "bf16", "tiled"],
+)  # fmt: skip
+def test_the_state_dict_file_is_the_engines_state_dict(plan, tmp_path):
+    """Whatever the plan keeps (fp32 masters beside bf16 copies, tiles), the file holds what
+    engine.state_dict() gives, name for name and bit for bit."""
+    engine = compile(tiny_gpt(), plan, tokens())
+    engine(*tokens()).backward()
+    engine.step()
+    got, expected = (
+        load_file(engine.export_state_dict(tmp_path / "f.safetensors")),
+        engine.state_dict(),
+    )
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expected.items())
+
+
 def test_tied_weights_once_and_a_dtype(tmp_path):
     engine, ids = trained("gpt2", Plan(), steps=1)
     path = Path(engine.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16))
@@ -197,9 +217,11 @@ def _wide(seed: int = 0) -> nn.Module:
 
 
 def measure(directory: str) -> dict[str, int]:
-    """The peak RSS rise of each export of a 96 MiB model (one process; its checkpoint)."""
+    """The peak RSS rise of each export of a 96 MiB model (one process; its weights cut into
+    tiles; its checkpoint), and of `state_dict()` of the tiled one, which glues every tile."""
     x = torch.randn(2, WIDTH)
     engine = compile(_wide(), Plan(), (x,))
+    tiled = compile(_wide(), Plan(tiled_linear={"in_splits": 2, "out_splits": 2}), (x,))
     largest = WIDTH * WIDTH * 4
     out = {"model": LAYERS * largest, "largest": largest}
     engine.save(Path(directory) / "ckpt")
@@ -207,8 +229,10 @@ def measure(directory: str) -> dict[str, int]:
         "engine": lambda: engine.export_state_dict(Path(directory) / "engine.safetensors"),
         "engine_bf16": lambda: engine.export_state_dict(Path(directory) / "bf16.safetensors",
                                                         dtype=torch.bfloat16),
+        "engine_tiled": lambda: tiled.export_state_dict(Path(directory) / "tiled.safetensors"),
         "checkpoint": lambda: export.export_state_dict(Path(directory) / "ckpt",
                                                        Path(directory) / "ckpt.safetensors"),
+        "state_dict_tiled": tiled.state_dict,
     }.items():  # fmt: skip
         base, _ = rss(), reset_peak_rss()
         write()
@@ -229,6 +253,8 @@ def test_an_export_holds_one_tensor_beyond_the_model(tmp_path):
     mib = 2**20
     assert got["engine"] <= 8 * mib  # written from the engine's own tensors: no copy
     assert got["engine_bf16"] <= got["largest"] // 2 + 8 * mib  # one cast tensor at a time
+    assert got["engine_tiled"] <= 3 * got["largest"] + 8 * mib  # one weight glued at a time
+    assert got["state_dict_tiled"] >= 0.8 * got["model"]  # and the measure sees a copy
     # one tensor read at a time, beside the checksum's reads of the files (16 MiB blocks)
     assert got["checkpoint"] <= got["largest"] + 2 * CRC_BLOCK + 8 * mib
     assert got["checkpoint"] < got["model"] // 2  # far from a copy of the model
