@@ -4,7 +4,7 @@ The Trainer's arguments keep their meaning: the learning rate, Adam's betas and 
 weight decay (on the parameters `Trainer.get_decay_parameter_names` picks), gradient clipping
 and accumulation become the plan's optimizer options, so a run set up for `Trainer` trains
 the same optimizer under `FxstarTrainer`. What the engine does itself (precision, activation
-checkpointing, compilation, the optimizer) or cannot do inside a Trainer yet (several
+checkpointing, compilation, the optimizer) or does not do inside a Trainer (several
 processes, DeepSpeed or FSDP around it) is refused by name before anything is built: an
 argument silently ignored would train something other than what was asked.
 """

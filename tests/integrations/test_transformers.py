@@ -21,6 +21,7 @@ What is exact and why:
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 
@@ -162,6 +163,23 @@ def test_trains_as_the_transformers_trainer(family, make_model, blocks, tmp_path
     assert {int(state["step"]) for state in engine.optimizer.state.values()} == {6}
 
 
+def test_a_compute_loss_func_trains_on_the_engines_outputs(make_model, blocks, tmp_path):
+    """The model is called without labels (the Trainer hands them to the function), and the
+    loss is computed outside the compiled graph from its logits."""
+
+    def next_token_loss(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+
+    trainer = FxstarTrainer(model=make_model("llama"), plan=PAGED, train_dataset=blocks,
+                            compute_loss_func=next_token_loss,
+                            args=arguments(tmp_path, max_steps=6))  # fmt: skip
+    trainer.train()
+    losses = [entry["loss"] for entry in step_logs(trainer)]
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert len(trainer.engine.programs) == 1  # the capture prepared without labels
+
+
 def test_save_model_writes_what_from_pretrained_opens(make_model, blocks, tmp_path):
     trainer = FxstarTrainer(model=make_model("gpt2"), plan=PAGED, train_dataset=blocks,
                             args=arguments(tmp_path, max_steps=2))  # fmt: skip
@@ -186,4 +204,16 @@ def test_resume_needs_the_engine_checkpoint(make_model, blocks, tmp_path):
     again = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks,
                           plan=PAGED)  # fmt: skip
     with pytest.raises(CheckpointError, match=f"no {ENGINE_CHECKPOINT}/ engine checkpoint"):
+        again.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_a_checkpoint_whose_trainer_state_disagrees_is_refused(make_model, blocks, tmp_path):
+    args = arguments(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks, plan=PAGED).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state["global_step"] = 1  # as if trainer_state.json came from another run
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    again = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks, plan=PAGED)
+    with pytest.raises(CheckpointError, match="micro-step 2, the Trainer's state at step 1"):
         again.train(resume_from_checkpoint=str(checkpoint))
