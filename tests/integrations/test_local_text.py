@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer_setup import text, tokenizer
 
 from fxstar.integrations.local_text import END_OF_TEXT, TokenBlocks
 
 
-def test_the_tokenizer_learns_the_text_and_encodes_any(tokenizer, text):
-    ids = tokenizer(text)["input_ids"]
-    assert tokenizer.decode(ids) == text
-    assert len(ids) < 0.6 * len(text.encode())  # merges learnt: fewer tokens than bytes
-    assert len(tokenizer) <= 320 and tokenizer.eos_token == tokenizer.pad_token == END_OF_TEXT
+def test_the_tokenizer_learns_the_text_and_encodes_any():
+    ids = tokenizer()(text())["input_ids"]
+    assert tokenizer().decode(ids) == text()
+    assert len(ids) < 0.6 * len(text().encode())  # merges learnt: fewer tokens than bytes
+    trained = tokenizer()
+    assert len(trained) <= 320 and trained.eos_token == trained.pad_token == END_OF_TEXT
     unseen = "Zürich ☃"  # bytes the text never had still encode (byte-level alphabet)
-    assert tokenizer.decode(tokenizer(unseen)["input_ids"]) == unseen
+    assert trained.decode(trained(unseen)["input_ids"]) == unseen
 
 
 def test_blocks_are_consecutive_and_labelled_by_their_inputs():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from trainer_setup import make_model
 
 import fxstar
 from fxstar.errors import PlanError, UsageError
@@ -34,15 +35,14 @@ def arguments(tmp_path, **changes) -> transformers.TrainingArguments:
         ),
     ],
 )
-def test_training_arguments_the_engine_cannot_honour_are_named(changes, named, make_model,
-                                                               tmp_path):  # fmt: skip
+def test_training_arguments_the_engine_cannot_honour_are_named(changes, named, tmp_path):
     with pytest.raises(UsageError, match="FxstarTrainer cannot honour") as raised:
         FxstarTrainer(model=make_model("llama"), args=arguments(tmp_path, **changes),
                       plan=fxstar.Plan())  # fmt: skip
     assert named in str(raised.value)
 
 
-def test_deepspeed_is_refused_before_the_trainer_builds_it(make_model, tmp_path):
+def test_deepspeed_is_refused_before_the_trainer_builds_it(tmp_path):
     """TrainingArguments(deepspeed=...) needs the deepspeed package; set afterwards, as it is
     where one is installed, the argument reaches FxstarTrainer, which refuses it first."""
     args = arguments(tmp_path)
@@ -51,7 +51,7 @@ def test_deepspeed_is_refused_before_the_trainer_builds_it(make_model, tmp_path)
         FxstarTrainer(model=make_model("llama"), args=args, plan=fxstar.Plan())
 
 
-def test_every_refused_argument_is_named_at_once(make_model, tmp_path):
+def test_every_refused_argument_is_named_at_once(tmp_path):
     args = arguments(tmp_path, fp16=True, torch_compile=True, optim="adafactor")
     with pytest.raises(UsageError) as raised:
         FxstarTrainer(model=make_model("llama"), args=args, plan=fxstar.Plan())
@@ -59,7 +59,7 @@ def test_every_refused_argument_is_named_at_once(make_model, tmp_path):
 
 
 @pytest.mark.parametrize("argument", ["optimizers", "optimizer_cls_and_kwargs", "model_init"])
-def test_trainer_arguments_that_replace_the_engine_are_named(argument, make_model, tmp_path):
+def test_trainer_arguments_that_replace_the_engine_are_named(argument, tmp_path):
     model = make_model("llama")
     given = {
         "optimizers": (torch.optim.SGD(model.parameters(), lr=0.1), None),
@@ -71,19 +71,19 @@ def test_trainer_arguments_that_replace_the_engine_are_named(argument, make_mode
                       plan=fxstar.Plan(), **{argument: given})  # fmt: skip
 
 
-def test_an_engine_is_refused_as_the_model(make_model, tmp_path):
+def test_an_engine_is_refused_as_the_model(tmp_path):
     engine = fxstar.compile(make_model("llama"))
     with pytest.raises(UsageError, match="pass the model itself"):
         FxstarTrainer(model=engine, args=arguments(tmp_path), plan=fxstar.Plan())
 
 
-def test_a_plan_that_sets_what_the_arguments_set_is_refused(make_model, tmp_path):
+def test_a_plan_that_sets_what_the_arguments_set_is_refused(tmp_path):
     plan = fxstar.Plan(optimizer={"lr": 0.01})
     with pytest.raises(PlanError, match=r"optimizer\.lr: .*\(learning_rate\)"):
         FxstarTrainer(model=make_model("llama"), args=arguments(tmp_path), plan=plan)
 
 
-def test_the_plan_takes_the_optimizer_from_the_arguments(make_model, tmp_path):
+def test_the_plan_takes_the_optimizer_from_the_arguments(tmp_path):
     args = arguments(tmp_path, learning_rate=2e-3, adam_beta1=0.8, adam_beta2=0.95,
                      adam_epsilon=1e-6, weight_decay=0.1, max_grad_norm=0.5,
                      gradient_accumulation_steps=3)  # fmt: skip
@@ -105,7 +105,7 @@ def test_the_plan_takes_the_optimizer_from_the_arguments(make_model, tmp_path):
         assert options.decays(name) == (name in decay), name
 
 
-def test_no_clipping_when_max_grad_norm_is_zero(make_model, tmp_path):
+def test_no_clipping_when_max_grad_norm_is_zero(tmp_path):
     trainer = FxstarTrainer(model=make_model("llama"), args=arguments(tmp_path, max_grad_norm=0),
                             plan=fxstar.Plan())  # fmt: skip
     assert trainer.engine.plan.optimizer.clip_grad_norm is None

@@ -29,6 +29,7 @@ import pytest
 import torch
 import transformers
 from torch.utils.data import Subset
+from trainer_setup import blocks, make_model
 
 import fxstar
 from fxstar.errors import CheckpointError
@@ -51,8 +52,8 @@ def step_logs(trainer) -> list[dict]:
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_loss_falls_and_the_scheduler_drives_the_engine(family, make_model, blocks, tmp_path):
-    trainer = FxstarTrainer(model=make_model(family), plan=PAGED, train_dataset=blocks,
+def test_loss_falls_and_the_scheduler_drives_the_engine(family, tmp_path):
+    trainer = FxstarTrainer(model=make_model(family), plan=PAGED, train_dataset=blocks(),
                             args=arguments(tmp_path, max_steps=10, warmup_steps=2))  # fmt: skip
     trainer.train()
     logs = step_logs(trainer)
@@ -76,12 +77,12 @@ def test_loss_falls_and_the_scheduler_drives_the_engine(family, make_model, bloc
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_evaluation_runs_the_engine_in_eval_mode(family, make_model, blocks, tmp_path):
+def test_evaluation_runs_the_engine_in_eval_mode(family, tmp_path):
     model = make_model(family)
     eager = copy.deepcopy(model)
     args = arguments(tmp_path, max_steps=6, per_device_eval_batch_size=8)
-    held_out = Subset(blocks, range(16))
-    trainer = FxstarTrainer(model=model, args=args, train_dataset=blocks, eval_dataset=held_out,
+    held_out = Subset(blocks(), range(16))
+    trainer = FxstarTrainer(model=model, args=args, train_dataset=blocks(), eval_dataset=held_out,
                             plan=PAGED)  # fmt: skip
     before = trainer.evaluate()["eval_loss"]
     # transformers' Trainer on the eager model: GPT-2's dropout off, the same normalisation
@@ -94,12 +95,12 @@ def test_evaluation_runs_the_engine_in_eval_mode(family, make_model, blocks, tmp
 @pytest.mark.parametrize(
     "family, precision", [("gpt2", "fp32"), ("llama", "bf16"), ("llama", "fp16")]
 )
-def test_resume_reproduces_the_uninterrupted_run(family, precision, make_model, blocks, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(family, precision, tmp_path):
     def run(name: str, resume: str | None = None) -> FxstarTrainer:
         args = arguments(tmp_path / name, max_steps=6, save_strategy="steps", save_steps=3,
                          per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          warmup_steps=2)  # fmt: skip
-        trainer = FxstarTrainer(model=make_model(family), args=args, train_dataset=blocks,
+        trainer = FxstarTrainer(model=make_model(family), args=args, train_dataset=blocks(),
                                 plan=PAGED.replace(precision=precision))  # fmt: skip
         trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -133,11 +134,11 @@ def drawing_collator(features: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_trains_as_the_transformers_trainer(family, make_model, blocks, tmp_path):
+def test_trains_as_the_transformers_trainer(family, tmp_path):
     """10 blocks in batches of 2, two accumulated a step: windows of 2, 2 and 1 batch an
     epoch, two epochs; weight decay, clipping at 1.0, the linear schedule, GPT-2's dropout
     drawn from the generator the collator also draws from."""
-    data = Subset(blocks, range(10))
+    data = Subset(blocks(), range(10))
     args = arguments(tmp_path, num_train_epochs=2, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, weight_decay=0.1,
                      optim="adamw_torch")  # fmt: skip
@@ -163,7 +164,7 @@ def test_trains_as_the_transformers_trainer(family, make_model, blocks, tmp_path
     assert {int(state["step"]) for state in engine.optimizer.state.values()} == {6}
 
 
-def test_a_compute_loss_func_trains_on_the_engines_outputs(make_model, blocks, tmp_path):
+def test_a_compute_loss_func_trains_on_the_engines_outputs(tmp_path):
     """The model is called without labels (the Trainer hands them to the function), and the
     loss is computed outside the compiled graph from its logits."""
 
@@ -171,7 +172,7 @@ def test_a_compute_loss_func_trains_on_the_engines_outputs(make_model, blocks, t
         logits = outputs.logits[:, :-1]
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
 
-    trainer = FxstarTrainer(model=make_model("llama"), plan=PAGED, train_dataset=blocks,
+    trainer = FxstarTrainer(model=make_model("llama"), plan=PAGED, train_dataset=blocks(),
                             compute_loss_func=next_token_loss,
                             args=arguments(tmp_path, max_steps=6))  # fmt: skip
     trainer.train()
@@ -180,40 +181,40 @@ def test_a_compute_loss_func_trains_on_the_engines_outputs(make_model, blocks, t
     assert len(trainer.engine.programs) == 1  # the capture prepared without labels
 
 
-def test_save_model_writes_what_from_pretrained_opens(make_model, blocks, tmp_path):
-    trainer = FxstarTrainer(model=make_model("gpt2"), plan=PAGED, train_dataset=blocks,
+def test_save_model_writes_what_from_pretrained_opens(tmp_path):
+    trainer = FxstarTrainer(model=make_model("gpt2"), plan=PAGED, train_dataset=blocks(),
                             args=arguments(tmp_path, max_steps=2))  # fmt: skip
     trainer.train()
     trainer.save_model(str(tmp_path / "model"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
-    ids = blocks[0]["input_ids"][None]
+    ids = blocks()[0]["input_ids"][None]
     trainer.engine.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits,
                                    trainer.engine(input_ids=ids).logits)  # fmt: skip
 
 
-def test_resume_needs_the_engine_checkpoint(make_model, blocks, tmp_path):
+def test_resume_needs_the_engine_checkpoint(tmp_path):
     args = arguments(tmp_path, max_steps=2, save_strategy="steps", save_steps=2,
                      save_only_model=True)  # fmt: skip
-    trainer = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks,
+    trainer = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks(),
                             plan=PAGED)  # fmt: skip
     trainer.train()
     checkpoint = tmp_path / "checkpoint-2"
     assert "model.safetensors" in os.listdir(checkpoint)  # save_only_model: a model directory
-    again = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks,
+    again = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks(),
                           plan=PAGED)  # fmt: skip
     with pytest.raises(CheckpointError, match=f"no {ENGINE_CHECKPOINT}/ engine checkpoint"):
         again.train(resume_from_checkpoint=str(checkpoint))
 
 
-def test_a_checkpoint_whose_trainer_state_disagrees_is_refused(make_model, blocks, tmp_path):
+def test_a_checkpoint_whose_trainer_state_disagrees_is_refused(tmp_path):
     args = arguments(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
-    FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks, plan=PAGED).train()
+    FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks(), plan=PAGED).train()
     checkpoint = tmp_path / "checkpoint-2"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     state["global_step"] = 1  # as if trainer_state.json came from another run
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    again = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks, plan=PAGED)
+    again = FxstarTrainer(model=make_model("llama"), args=args, train_dataset=blocks(), plan=PAGED)
     with pytest.raises(CheckpointError, match="micro-step 2, the Trainer's state at step 1"):
         again.train(resume_from_checkpoint=str(checkpoint))
