@@ -31,6 +31,7 @@ from fxstar.errors import FxstarError
 from fxstar.passes import Pass, register
 from fxstar.passes.shape_memory import backward_peak, node_steps
 from fxstar.program import ParamInfo, Program
+from fxstar.runtime.arena import ALIGNMENT as ARENA_ALIGNMENT
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.sizes import Share, format_size
 from fxstar.topology import Topology
@@ -198,12 +199,13 @@ def budget_need(program: Program, access: AccessPlan, layout: ChunkLayout) -> Bu
     """The least budget under which every access of `access` fits its chunk_share beside
     the gradient staging (under `program`'s plan and topology)."""
     plan, size = program.plan, layout.chunk_bytes
+    block = -(-size // ARENA_ALIGNMENT) * ARENA_ALIGNMENT  # the arena rounds each block up
     staging = staging_bytes(program, layout)
     # moments with the same chunks and activations need the same: each pair once
     first = {}
     for t, pair in enumerate(zip(access.pinned_at_once, access.nonmodel_bytes, strict=True)):
         first.setdefault(pair, t)
-    budgets = {t: smallest_budget(plan, pinned * size, nonmodel + staging)
+    budgets = {t: smallest_budget(plan, pinned * block, nonmodel + staging)
                for (pinned, nonmodel), t in first.items()}  # fmt: skip
     t = max(budgets, key=lambda t: (budgets[t], -t), default=None)
     if t is None:  # nothing is ever fetched

@@ -260,11 +260,13 @@ def least_sizes(params) -> list[int]:
 
 def fits(plan: Plan, access, chunk_bytes: int, budget: int) -> bool:
     """The definition, written out apart from the code under test: at every access the chunks
-    pinned together fit the static share, or the budget less the activations there."""
+    pinned together, each in a block the arena rounds up to its alignment, fit the static
+    share, or the budget less the activations there."""
+    block = -(-chunk_bytes // 256) * 256
     for pinned, nonmodel in zip(access.pinned_at_once, access.nonmodel_bytes, strict=True):
         share = (int(plan.warmup_gpu_chunk_mem_ratio * budget) if plan.static_partition
                  else budget - nonmodel)  # fmt: skip
-        if pinned * chunk_bytes > share:
+        if pinned * block > share:
             return False
     return True
 
@@ -502,3 +504,22 @@ def test_the_bounded_search_decides_as_judging_every_candidate(kind, options, un
                     search.choose(budget)
             else:
                 assert search.choose(budget) == want, (hybrid_adam, budget)
+
+
+def test_auto_budgets_whole_arena_blocks_for_a_model_smaller_than_one():
+    """The arena rounds every block up to its alignment: 'auto' budgets whole blocks, so a
+    model of a few bytes trains instead of failing with the arena's own error."""
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.linear(x).sum()
+
+    x = torch.randn(2, 3)
+    engine = compile(Tiny(), Plan(device_memory="auto"), example_inputs=(x,))
+    engine(x).backward()
+    engine.step()
+    assert engine.program.decisions.chunk_plan.budget >= 256
