@@ -36,6 +36,7 @@ from fxstar.plan import (
     _real,
     _type_error,
 )
+from fxstar.runtime.moments import ABSMAX, CODES, quant_blocks
 
 __all__ = ["check_fits", "check_meta", "check_records", "check_state", "is_file_name", "named"]
 
@@ -255,6 +256,12 @@ def _check_optimizer(optimizer: Mapping[str, Any], name: str) -> None:
                 isinstance(value, torch.Tensor) and value.is_floating_point()
             ):
                 raise _type_error(f"{where}.{key}", "a floating-point tensor", value)
+            elif key in CODES:  # HybridAdam's 8-bit moments (runtime/moments.py)
+                _tensor(value, f"{where}.{key}", torch.uint8)
+            elif key in ABSMAX:
+                _tensor(value, f"{where}.{key}", torch.float32)
+                if not bool(torch.isfinite(value).all() and (value >= 0).all()):
+                    raise PlanError(f"{where}.{key}: a block's absmax is finite and not negative")
             else:
                 _finite_everywhere(value, f"{where}.{key}")
     if optimizer.get("fxstar_device_chunks") is not None:  # HybridAdam's device half
@@ -314,10 +321,17 @@ def check_fits(
                 )
             shape = tuple(params[index].shape)
             for key, value in entry.items():
-                if key in MOMENTS and tuple(value.shape) != shape:
+                if key in (*MOMENTS, *CODES) and tuple(value.shape) != shape:
                     raise PlanError(
                         f"optimizer.state[{index}].{key}: must have its parameter's shape "
                         f"{list(shape)}, got {list(value.shape)}"
+                    )
+                blocks = quant_blocks(params[index].numel())
+                if key in ABSMAX and tuple(value.shape) != (blocks,):
+                    raise PlanError(
+                        f"optimizer.state[{index}].{key}: must hold one absmax per block of its "
+                        f"parameter's {params[index].numel():,} values ({blocks}), got "
+                        f"{list(value.shape)}"
                     )
         for name, obj in objects.items():
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and name in state:

@@ -42,6 +42,9 @@ def report(engine: Engine) -> str:
                 f"kept chunks {sorted(given)} went back to the host tier with their optimizer "
                 "state: a later input's plan had no room for them beside its own"
             )
+        describe_state = getattr(optimizer, "describe_state", None)  # HybridAdam's
+        if describe_state is not None:
+            lines.append(describe_state())
         kept = getattr(optimizer, "kept", None)  # None: as forecast
         lines.append(placement.describe_host(engine.plan, program.decisions.chunk_plan, kept))
         lines.append(program.decisions.chunk_plan.describe().splitlines()[0])

@@ -93,7 +93,8 @@ def forecast_kept(plan: Any, chunk_plan: ChunkPlan) -> list[int]:
     share_room = layout.kept_grad_in_payload(
         grads_in_host=plan.grads_in_host, accumulation_steps=plan.optimizer.accumulation_steps
     )
-    count = spare // layout.kept_chunk_bytes(share_room=share_room)
+    count = spare // layout.kept_chunk_bytes(share_room=share_room,
+                                             state_dtype=plan.optimizer.state_dtype)  # fmt: skip
     trainable = sorted((c for c in layout.chunks if c.trainable), key=lambda c: (c.used, c.id))
     return [c.id for c in trainable[:count]]
 
@@ -107,7 +108,7 @@ def host_need(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None
     low_precision = layout.dtype != torch.float32
     need = layout.host_bytes(
         masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
-        moments=plan.optimizer.type in ("adam", "adamw"),
+        moments=plan.optimizer.type in ("adam", "adamw"), state_dtype=plan.optimizer.state_dtype,
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
         sharded=layout.ranks > 1 and Topology(plan).sharded_payloads,  # and its own homes only
         kept=forecast_kept(plan, chunk_plan) if kept is None else kept,

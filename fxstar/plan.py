@@ -218,6 +218,18 @@ def _check_warmup_share(plan: Plan) -> None:
         )
 
 
+def _check_state_dtype(plan: Plan) -> None:
+    """Lean moments are HybridAdam's, which runs over chunks: without a budget and in fp32 the
+    engine has none, and torch's Adam would keep fp32 moments whatever was asked."""
+    state_dtype = plan.optimizer.state_dtype
+    if state_dtype != "fp32" and plan.device_memory is None and plan.precision == "fp32":
+        raise PlanError(
+            f"optimizer.state_dtype: {state_dtype!r} needs HybridAdam, which runs over chunks: "
+            "set plan.device_memory (a budget, or 'auto'); without chunks torch's Adam keeps "
+            "fp32 moments"
+        )
+
+
 def _chunk_size(v, name):
     if v == "auto":
         return v
@@ -419,9 +431,24 @@ class OptimizerConfig(_Group):
         1, check=_integer(1),
         doc="Micro-batches whose gradients are summed before one optimizer step.",
     )  # fmt: skip
+    state_dtype: str = _option(
+        "fp32", check=_choice("fp32", "bf16", "8bit"),
+        doc="How HybridAdam keeps Adam's two moments: 'fp32' (8 bytes per parameter), 'bf16' "
+        "(4: computed in fp32, stored rounded to nearest even) or '8bit' (about 2.03: "
+        "bitsandbytes' blockwise dynamic quantisation, an fp32 absmax per 256 values of a "
+        "parameter). The master weights stay fp32. Needs Adam or AdamW over chunks "
+        "(HybridAdam: plan.device_memory set, or precision bf16/fp16); a checkpoint saved in "
+        "another state_dtype is converted on loading.",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.type == "sgd" and self.state_dtype != "fp32":
+            raise PlanError(
+                f"optimizer.state_dtype: {self.state_dtype!r} is for Adam's moments (HybridAdam); "
+                "'sgd' keeps a torch momentum buffer in fp32: use type 'adam' or 'adamw', or "
+                "state_dtype 'fp32'"
+            )
         # adamw and sgd scale each weight by (1 - lr * weight_decay) every step: at 1 or more
         # the weights are zeroed or flip sign
         shrink = self.lr * self.weight_decay
@@ -737,6 +764,7 @@ class Plan:
     def __post_init__(self) -> None:
         _validate(self, "")
         _check_warmup_share(self)
+        _check_state_dtype(self)
 
     # -- building and copying -----------------------------------------------------------------
 

@@ -41,7 +41,7 @@ def make_optimizer(engine: Engine) -> torch.optim.Optimizer:
             norm=model_grad_norm(engine, own_chunks=True),
             accumulation_steps=opt.accumulation_steps,
             host_budget=placement.HostBudget(plan, engine.program),
-            data_parallel=chunks.data_parallel,
+            data_parallel=chunks.data_parallel, state_dtype=opt.state_dtype,
         )  # fmt: skip
     if chunks is not None and chunks.low_precision:
         raise PlanError(

@@ -62,7 +62,8 @@ def adam_step(
     num_threads: int | None = None,
     variant: str | None = None,
 ) -> None:
-    """One Adam (or AdamW) update of fp32 `param`, `exp_avg`, `exp_avg_sq` in place.
+    """One Adam (or AdamW) update of fp32 `param` and of `exp_avg`, `exp_avg_sq` (both fp32,
+    or both bf16: computed in fp32, stored rounded to nearest even) in place.
 
     `grad` may be fp32, bf16 or fp16; it is multiplied by `grad_scale` (1/loss_scale times the
     clip factor) before use. If `out` (bf16/fp16) is given, the updated parameter is also
@@ -74,6 +75,49 @@ def adam_step(
         _plain(grad),
         exp_avg,
         exp_avg_sq,
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        adamw=adamw,
+        grad_scale=grad_scale,
+        out=_plain(out),
+        num_threads=_threads(num_threads, param.numel()),
+        variant=variant or "",
+    )
+
+
+def adam_step_8bit(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_codes: torch.Tensor,
+    exp_avg_absmax: torch.Tensor,
+    exp_avg_sq_codes: torch.Tensor,
+    exp_avg_sq_absmax: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    variant: str | None = None,
+) -> None:
+    """`adam_step` with both moments 8-bit blockwise-quantised: uint8 codes of `param`'s
+    size and an fp32 absmax per `_C.QUANT_BLOCK` values, the blocks counted from `param`'s
+    first element (runtime/moments.py lays them out)."""
+    _C.adam_step_8bit(
+        _plain(param),
+        _plain(grad),
+        exp_avg_codes,
+        exp_avg_absmax,
+        exp_avg_sq_codes,
+        exp_avg_sq_absmax,
         lr=lr,
         beta1=betas[0],
         beta2=betas[1],

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxstar.runtime.moments import moment_bytes
+
 HOST_ALIGNMENT = 64  # bytes: every chunk's host part starts on a cache line
 
 
@@ -112,11 +114,13 @@ class ChunkLayout:
         return len(self.chunks) * self.chunk_bytes - self.param_bytes
 
     def host_bytes(self, *, masters: bool, own_grads: bool, moments: bool, rank: int = 0,
-                   sharded: bool = False, kept: Collection[int] = ()) -> int:  # fmt: skip
+                   sharded: bool = False, kept: Collection[int] = (),
+                   state_dtype: str = "fp32") -> int:  # fmt: skip
         """What the chunk engine allocates on the host for this layout: every chunk's payload
         (packed, see host_parts), fp32 masters (bf16/fp16), gradient buffers of their own
-        (fp32; bf16/fp16 with grads_in_host=False) and two fp32 Adam moments per trainable
-        element of the chunks rank `rank` owns (all of them without data parallelism).
+        (fp32; bf16/fp16 with grads_in_host=False) and two Adam moments (in `state_dtype`,
+        runtime/moments.py) per trainable element of the chunks rank `rank` owns (all of
+        them without data parallelism).
         `sharded` (data parallel, sharded payloads): the homes of its own chunks only. `kept`:
         chunks kept on the compute tier for good, whose host homes go back to the system."""
         homes = [c for c in self.chunks
@@ -128,7 +132,8 @@ class ChunkLayout:
             total += host_elements(self.dtype, trainable) * self.dtype.itemsize
         if moments:
             own = [c for c in self.chunks if self.owner(c.id) == rank and c.id not in kept]
-            total += sum(2 * c.used * 4 for c in own if c.trainable)
+            total += sum(moment_bytes(state_dtype, c.used, [p.numel for p in c.params])
+                         for c in own if c.trainable)  # fmt: skip
         return total
 
     def kept_grad_in_payload(self, *, grads_in_host: bool, accumulation_steps: int) -> bool:
@@ -139,13 +144,17 @@ class ChunkLayout:
         return (self.dtype != torch.float32 and grads_in_host and self.ranks == 1
                 and accumulation_steps == 1)  # fmt: skip
 
-    def kept_chunk_bytes(self, *, share_room: bool) -> int:
+    def kept_chunk_bytes(self, *, share_room: bool, state_dtype: str = "fp32") -> int:
         """Compute-tier bytes a chunk kept there for good takes with its optimizer state: its
-        payload, its gradient (in the payload's room when `share_room`), two fp32 moments
-        and (bf16/fp16) an fp32 master."""
+        payload, its gradient (in the payload's room when `share_room`), two moments in
+        `state_dtype` (8-bit: as many absmax values as the chunk that needs most) and
+        (bf16/fp16) an fp32 master."""
         low_precision = self.dtype != torch.float32
         payloads = 1 if share_room else 2
-        return payloads * self.chunk_bytes + self.chunk_size * 4 * (2 + low_precision)
+        moments = max((moment_bytes(state_dtype, self.chunk_size, [p.numel for p in c.params])
+                       for c in self.chunks),
+                      default=moment_bytes(state_dtype, self.chunk_size, []))  # fmt: skip
+        return payloads * self.chunk_bytes + self.chunk_size * 4 * low_precision + moments
 
     def staging_bytes(self, ranks: int, *, mem_saving: bool) -> int:
         """The most gradient staging a rank holds at once with payloads sharded over `ranks`:

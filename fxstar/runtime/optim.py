@@ -37,9 +37,9 @@ import torch
 from fxstar.runtime import cpu_adam
 from fxstar.runtime.chunk import Chunk, ChunkBudgetError
 from fxstar.runtime.grad_norm import GradNorm, clip_coefficient
-from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
+from fxstar.runtime.moments import MOMENT_KEYS, AdamMoments
 from fxstar.runtime.step_chunks import StepChunks
 
 if TYPE_CHECKING:
@@ -53,12 +53,6 @@ class HostBudget(Protocol):
     chunks kept on the compute tier, whose host homes go back (fxstar.placement's)."""
 
     def check(self, kept: list[int]) -> object: ...
-
-
-def _extend(view: torch.Tensor, offset: int, n: int) -> torch.Tensor:
-    """The n elements starting at `view`'s first: the moments of a run are contiguous in their
-    chunk, beyond the first parameter's own view."""
-    return view.as_strided((n,), (1,), view.storage_offset() + offset)
 
 
 class HybridAdam(torch.optim.Optimizer):
@@ -80,9 +74,11 @@ class HybridAdam(torch.optim.Optimizer):
         accumulation_steps: int = 1,
         host_budget: HostBudget | None = None,
         data_parallel: ChunkGroups | None = None,
+        state_dtype: str = "fp32",
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.chunks = chunks
+        self.moments = AdamMoments(state_dtype)  # how the moments are stored and stepped
         self.data_parallel = data_parallel  # the chunk owners and their collectives
         self.adamw = adamw
         self.clip_grad_norm = clip_grad_norm
@@ -128,10 +124,7 @@ class HybridAdam(torch.optim.Optimizer):
                 if id(param) not in self._in_chunks:
                     self.state[param] = {
                         "step": torch.zeros((), dtype=torch.float32),
-                        "exp_avg": torch.zeros_like(param, memory_format=torch.contiguous_format),
-                        "exp_avg_sq": torch.zeros_like(
-                            param, memory_format=torch.contiguous_format
-                        ),
+                        **self.moments.fresh(param),
                     }
 
     @property
@@ -148,22 +141,16 @@ class HybridAdam(torch.optim.Optimizer):
         for chunk in self._without_moments:
             if chunk.kept:
                 continue  # _keep made them on the compute tier
-            used = chunk.used
-            moments = host_empty(2 * used * 4, zero=True).view(torch.float32)
-            self._set_moments(chunk, moments[:used], moments[used:])
+            self._set_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
         self._without_moments = []
 
-    def _set_moments(self, chunk, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Fresh state of the chunk's parameters, their moments viewing these chunk-long ones."""
-        for slot in chunk.slots:
+    def _set_moments(self, chunk, views: list[dict[str, torch.Tensor]]) -> None:
+        """Fresh state of the chunk's parameters, their moments these views of a chunk-long
+        buffer (one per slot)."""
+        for slot, moments in zip(chunk.slots, views, strict=True):
             param = self.chunks.param(slot)
             if id(param) in self._slots:
-                part = slice(slot.offset, slot.offset + slot.numel)
-                self.state[param] = {
-                    "step": torch.zeros((), dtype=torch.float32),
-                    "exp_avg": exp_avg[part].view(slot.shape),
-                    "exp_avg_sq": exp_avg_sq[part].view(slot.shape),
-                }
+                self.state[param] = {"step": torch.zeros((), dtype=torch.float32), **moments}
 
     def _runs(self) -> list[tuple[list[torch.nn.Parameter], dict, slice, torch.Tensor]]:
         """The parameters to update, merged into runs that one kernel call can take: adjacent
@@ -198,6 +185,7 @@ class HybridAdam(torch.optim.Optimizer):
                         and prev.chunk == slot.chunk
                         and flat is chunk.grad
                         and self.state[params[-1]]["step"] == self.state[param]["step"]
+                        and self.moments.joins(prev.numel)
                     ):
                         params.append(param)
                         runs[-1] = (params, g, slice(last.start, span.stop), flat)
@@ -297,11 +285,11 @@ class HybridAdam(torch.optim.Optimizer):
             if span is None:  # a parameter outside the chunks
                 state = self.state[params[0]]
                 state["step"] += 1
-                cpu_adam.adam_step(
-                    params[0], grad, state["exp_avg"], state["exp_avg_sq"],
-                    step=int(state["step"]), lr=group["lr"], betas=group["betas"],
-                    eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.adamw,
-                    grad_scale=grad_scale,
+                moments = self.moments.run(state, params[0].numel())
+                self.moments.step(
+                    params[0], grad, moments, step=int(state["step"]), lr=group["lr"],
+                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                    adamw=self.adamw, grad_scale=grad_scale,
                 )  # fmt: skip
                 continue
             slot = self._slots[id(params[0])]
@@ -310,16 +298,13 @@ class HybridAdam(torch.optim.Optimizer):
             for p in params:
                 self.state[p]["step"] += 1
             step = int(first["step"])
-            offset = span.start - slot.offset  # where the run starts within the moments
-            moments = first["exp_avg"].view(-1), first["exp_avg_sq"].view(-1)
-            n = span.stop - span.start
-            exp_avg, exp_avg_sq = _extend(moments[0], offset, n), _extend(moments[1], offset, n)
+            # a run starts at its first parameter, where that one's moments start
+            moments = self.moments.run(first, span.stop - span.start)
             if chunk.kept:
-                self._device_step(chunk, span, grad, exp_avg, exp_avg_sq, first["step"], group,
-                                  grad_scale)  # fmt: skip
+                self._device_step(chunk, span, grad, moments, first["step"], group, grad_scale)
             else:
-                cpu_adam.adam_step(
-                    chunk.fp32_home[span], grad.reshape(-1), exp_avg, exp_avg_sq, step=step,
+                self.moments.step(
+                    chunk.fp32_home[span], grad.reshape(-1), moments, step=step,
                     lr=group["lr"], betas=group["betas"], eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
                     out=_payload_out(chunk, span),
@@ -335,7 +320,7 @@ class HybridAdam(torch.optim.Optimizer):
             groups.share_updates(self.chunks)
         return True
 
-    def _device_step(self, chunk, span: slice, grad, exp_avg, exp_avg_sq, step, group,
+    def _device_step(self, chunk, span: slice, grad, moments, step, group,
                      grad_scale: float) -> None:  # fmt: skip
         """A run of a chunk kept on the compute tier: torch's fused Adam where it lives, the
         low-precision compute copy rounded from the fp32 master after (when that tier is the
@@ -343,19 +328,18 @@ class HybridAdam(torch.optim.Optimizer):
         param = chunk.fp32_home[span]
         grad = grad.reshape(-1)
         if self.device_kernel == "cpu":
-            cpu_adam.adam_step(
-                param, grad, exp_avg, exp_avg_sq, step=int(step), lr=group["lr"],
-                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                adamw=self.adamw, grad_scale=grad_scale, out=_payload_out(chunk, span),
+            self.moments.step(
+                param, grad, moments, step=int(step), lr=group["lr"], betas=group["betas"],
+                eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.adamw,
+                grad_scale=grad_scale, out=_payload_out(chunk, span),
             )  # fmt: skip
             return
         if grad.dtype != torch.float32 or grad_scale != 1.0:  # the kernel wants fp32, unscaled
             grad = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
-        fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
-        beta1, beta2 = group["betas"]
-        fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step.to(param.device)],
-              lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-              eps=group["eps"], amsgrad=False, maximize=False)  # fmt: skip
+        self.moments.torch_step(
+            param, grad, moments, step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw=self.adamw,
+        )  # fmt: skip
         out = _payload_out(chunk, span)
         if out is not None:
             out.copy_(param)
@@ -368,7 +352,8 @@ class HybridAdam(torch.optim.Optimizer):
         if not moments:
             return
         lay = chunks.layout
-        per_chunk = lay.kept_chunk_bytes(share_room=self.share_room)
+        per_chunk = lay.kept_chunk_bytes(share_room=self.share_room,
+                                         state_dtype=self.moments.state_dtype)  # fmt: skip
         uses: dict[int, int] = {}
         for moment in moments:
             uses[moment.chunk] = uses.get(moment.chunk, 0) + 1
@@ -430,21 +415,27 @@ class HybridAdam(torch.optim.Optimizer):
         """Keep one chunk on the compute tier, its moments beside it (MemoryError when the
         arena has no block for them)."""
         chunks, n = self.chunks, self.chunks.layout.chunk_size
-        moments = chunks.reserve(2 * n * 4, torch.float32)
-        chunks.keep(chunk_id, share_room=self.share_room, beside=(moments,))
         chunk = chunks.chunk(chunk_id)
+        block = chunks.reserve(self.moments.nbytes(n, [s.numel for s in chunk.slots]),
+                               torch.uint8)  # fmt: skip
+        chunks.keep(chunk_id, share_room=self.share_room, beside=(block,))
         self.device_chunks.append(chunk_id)
+        views = self.moments.views(block, n, chunk.slots)
         if any(c is chunk for c in self._without_moments):  # no host moments: fresh here
-            self._set_moments(chunk, moments[:n], moments[n:])
+            self._set_moments(chunk, views)
             return
-        for slot in chunk.slots:
-            state = self.state.get(chunks.param(slot))
-            if state is None:
+        self._move_moments(chunk, views)  # the host buffer is let go
+
+    def _move_moments(self, chunk: Chunk, views: list[dict[str, torch.Tensor]]) -> None:
+        """The chunk's parameters' moments copied into these views (one per slot), which
+        their state holds from now on."""
+        for slot, moments in zip(chunk.slots, views, strict=True):
+            state = self.state.get(self.chunks.param(slot))
+            if not state or self.moments.keys[0] not in state:
                 continue
-            part = slice(slot.offset, slot.offset + slot.numel)
-            for key, moment in (("exp_avg", moments[:n]), ("exp_avg_sq", moments[n:])):
-                moment[part].copy_(state[key].reshape(-1))
-                state[key] = moment[part].view(slot.shape)  # the host buffer is let go
+            for key, moment in moments.items():
+                moment.copy_(state[key])
+                state[key] = moment
 
     def give_back(self, room: int) -> list[int]:
         """Kept chunks back to the host tier, the least used first, until what stays kept
@@ -476,16 +467,7 @@ class HybridAdam(torch.optim.Optimizer):
     def _give_back_one(self, chunk_id: int) -> None:
         """One kept chunk back to the host tier, its moments into a host buffer of its own."""
         chunk = self.chunks.chunk(chunk_id)
-        moments = host_empty(2 * chunk.used * 4, zero=True).view(torch.float32)
-        for slot in chunk.slots:
-            state = self.state.get(self.chunks.param(slot))
-            if not state or "exp_avg" not in state:
-                continue
-            part = slice(slot.offset, slot.offset + slot.numel)
-            for key, host in (("exp_avg", moments[: chunk.used]),
-                              ("exp_avg_sq", moments[chunk.used :])):  # fmt: skip
-                host[part].copy_(state[key].reshape(-1))
-                state[key] = host[part].view(slot.shape)
+        self._move_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
         self.chunks.give_back(chunk_id)  # frees the moments' block too
 
     def state_dict(self) -> dict[str, Any]:
@@ -516,6 +498,12 @@ class HybridAdam(torch.optim.Optimizer):
                 self._keep([c for c in device_chunks if self.chunks.owns(c)])
         self._host_moments()  # the chunk-long moments the loaded values go into
         views = {id(p): dict(s) for p, s in self.state.items()}
+        # the moments bypass torch's loading, which would cast each to its parameter's dtype
+        # first (8-bit codes to fp32: 4 bytes of host memory where the state keeps 1)
+        state_dict, saved = _moments_apart(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        moments_of = {id(p): saved[i] for i, p in zip(ids, params, strict=False) if i in saved}
         super().load_state_dict(state_dict)
         for param in list(self.state):
             loaded, chunked = self.state[param], views.get(id(param))
@@ -523,11 +511,53 @@ class HybridAdam(torch.optim.Optimizer):
                 del self.state[param]  # data parallel: another rank's chunk, its owner's state
                 continue
             if chunked is None:
+                loaded.update(moments_of.get(id(param), {}))
                 continue
-            for key in ("exp_avg", "exp_avg_sq"):
-                chunked[key].copy_(loaded[key])
+            self.moments.load(chunked, moments_of.get(id(param), {}))
             chunked["step"] = torch.as_tensor(loaded["step"], dtype=torch.float32).clone()
             self.state[param] = chunked
+
+    def state_bytes(self) -> dict[str, tuple[int, int]]:
+        """Per tier ('host', 'compute'): the bytes of both moments of this rank's parameters
+        there, as laid out (before the first step: as they will be), and the parameter
+        elements they are of."""
+        held = {"host": [0, 0], "compute": [0, 0]}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in self._in_chunks:
+                    held["host"][0] += self.moments.nbytes(param.numel(), [param.numel()])
+                    held["host"][1] += param.numel()
+        for chunk in self.chunks.own_trainable():
+            numels = [s.numel for s in chunk.slots]
+            tier = "compute" if chunk.kept else "host"
+            length = self.chunks.layout.chunk_size if chunk.kept else chunk.used
+            held[tier][0] += self.moments.nbytes(length, numels)
+            held[tier][1] += sum(s.numel for s in chunk.slots
+                                 if id(self.chunks.param(s)) in self._slots)  # fmt: skip
+        return {tier: (nbytes, params) for tier, (nbytes, params) in held.items()}
+
+    def describe_state(self) -> str:
+        """The report's line: the moments' format and their bytes per parameter on each
+        tier."""
+        tiers = [f"{nbytes:,} bytes on the {tier} tier for {params:,} parameters "
+                 f"({nbytes / params:.3g} per parameter)"
+                 for tier, (nbytes, params) in self.state_bytes().items() if params]  # fmt: skip
+        line = f"optimizer state: {self.moments.state_dtype} Adam moments, " + (
+            " and ".join(tiers) or "none"
+        )
+        if self.chunks.layout.dtype != torch.float32:
+            line += "; the fp32 masters beside them take 4 bytes per parameter"
+        return line
+
+
+def _moments_apart(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dict]]:
+    """A state dict without its per-parameter moments, and those moments by saved index."""
+    saved: dict[Any, dict] = {}
+    state = {}
+    for index, entry in state_dict.get("state", {}).items():
+        saved[index] = {k: v for k, v in entry.items() if k in MOMENT_KEYS}
+        state[index] = {k: v for k, v in entry.items() if k not in MOMENT_KEYS}
+    return {**state_dict, "state": state}, saved
 
 
 def _payload_out(chunk: Chunk, span: slice) -> torch.Tensor | None:
