@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import os
 import time
+import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +91,9 @@ class DiskTier(Tier):
         self.files: dict[tuple[Hashable, str], DiskFile] = {}
         self.sizes: dict[tuple[Hashable, str], int] = {}  # bytes the caller stores in each
         self.stats = DiskTierStats()
-        self.closed = False
+        # what close() does, also when the tier is dropped unclosed (at collection or exit)
+        self._release = weakref.finalize(self, _release, self.io, self.files, self.directory,
+                                         self._lock_fd, keep, self.created_directory)  # fmt: skip
 
     def _lock(self) -> int:
         path = self.directory / LOCK_NAME
@@ -111,17 +114,19 @@ class DiskTier(Tier):
     # -- parts ----------------------------------------------------------------------------------
 
     def path_of(self, item: Hashable, part: str) -> Path:
-        return self.directory / f"fxstar-{item}-{part}.bin"
+        return self.directory / part_name(item, part)
 
     def add(self, item: Hashable, part: str, nbytes: int) -> None:
-        """A part of `nbytes`: its file made and its blocks reserved now (a full disk is a
-        DiskIOError here, not mid-step)."""
+        """A part of `nbytes`, reading as zeros: its file made and its blocks reserved now (a
+        full disk is a DiskIOError here, not mid-step)."""
         self._check_open()
         key = (item, part)
         if key in self.files:
             raise ValueError(f"disk tier: part {part!r} of {item!r} was added already")
-        self.files[key] = DiskFile(str(self.path_of(item, part)), aligned_size(nbytes),
-                                   direct=self.direct)  # fmt: skip
+        path = self.path_of(item, part)
+        if path.exists():  # a file of a tier that was not closed: its bytes are not zeros
+            os.truncate(path, 0)
+        self.files[key] = DiskFile(str(path), aligned_size(nbytes), direct=self.direct)
         self.sizes[key] = nbytes
 
     def bytes_on_disk(self) -> int:
@@ -239,6 +244,10 @@ class DiskTier(Tier):
 
     # -- lifetime -------------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
+
     def _check_open(self) -> None:
         if self.closed:
             raise DiskTierError(f"disk tier: {self.directory} was closed")
@@ -246,23 +255,7 @@ class DiskTier(Tier):
     def close(self) -> None:
         """Finish the I/O, then remove the parts' files, the lock and (if this tier made it)
         the directory, unless `keep`; files this tier did not create stay."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.io.close()
-        finally:
-            if not self.keep:
-                for key in self.files:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path_of(*key))
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.directory / LOCK_NAME)
-            os.close(self._lock_fd)
-            if not self.keep and self.created_directory:
-                with contextlib.suppress(OSError):  # not empty: someone put files there
-                    self.directory.rmdir()
-            self.files.clear()
+        self._release()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -278,3 +271,26 @@ class DiskTier(Tier):
             f"{s.wait_seconds:.3f} s waited; at most {s.peak_staging_bytes:,} bytes in host "
             f"slots ({self.depth} chunks)"
         )
+
+
+def _release(io: DiskIO, files: dict, directory: Path, lock_fd: int, keep: bool,
+             created: bool) -> None:  # fmt: skip
+    """DiskTier.close (see it); `files` as the tier holds them."""
+    try:
+        io.close()
+    finally:
+        if not keep:
+            for item, part in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(directory / part_name(item, part))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / LOCK_NAME)
+        os.close(lock_fd)
+        if not keep and created:
+            with contextlib.suppress(OSError):  # not empty: someone put files there
+                directory.rmdir()
+        files.clear()
+
+
+def part_name(item: Hashable, part: str) -> str:
+    return f"fxstar-{item}-{part}.bin"

@@ -3,6 +3,7 @@ directory: what a step writes is what the next reads, bit for bit, through a bou
 host slots, and nothing of a user's is removed."""
 
 import contextlib
+import gc
 import os
 
 import pytest
@@ -147,3 +148,23 @@ def test_wrong_sizes_and_unknown_parts_are_refused(tmp_path):
     with pytest.raises(DiskTierError, match="not a directory"):
         (tmp_path / "file").write_text("x")
         DiskTier(tmp_path / "file")
+
+
+def test_a_part_reads_as_zeros_even_over_a_file_left_by_a_tier_not_closed(tmp_path):
+    directory = tmp_path / "state"
+    with DiskTier(directory, keep=True) as tier:
+        filled(tier)  # random bytes, kept
+    with DiskTier(directory) as tier:
+        tier.add(1, "master", SIZES[1])
+        back = tier.read(1, "master", torch.ones(SIZES[1], dtype=torch.uint8))
+        assert not back.any()
+
+
+def test_a_tier_dropped_without_close_releases_at_collection(tmp_path):
+    directory = tmp_path / "state"
+    tier = DiskTier(directory)
+    filled(tier)
+    del tier
+    gc.collect()
+    assert not directory.exists()
+    DiskTier(directory).close()
