@@ -1,12 +1,13 @@
 """HybridAdam: Adam/AdamW over the chunks, with the C++ CPU kernels, as a torch Optimizer.
 
 The fp32 master parameters (the host homes of the chunks, or master chunks when the compute
-copies are bf16/fp16), `exp_avg` and `exp_avg_sq` live in host chunks laid out like the
-parameter chunks. A step first takes the global decision in one read of every gradient (the
-`_C` stats pass: the sum of squares for the clip norm, finiteness for fp16 overflow), so an
-overflow skips the whole step with nothing written; then it updates chunk by chunk with the
-unscale and clip factor fused into the kernel, writing the low-precision copy the compute tier
-fetches in the same pass.
+copies are bf16/fp16) and Adam's two moments live in host buffers laid out like the parameter
+chunks; the moments in the plan's `optimizer.state_dtype` (fp32, bf16 or 8-bit), which
+`runtime/moments.py` alone knows how to lay out, step and load. A step first takes the
+global decision in one read of every gradient (the `_C` stats pass: the sum of squares for
+the clip norm, finiteness for fp16 overflow), so an overflow skips the whole step with
+nothing written; then it updates chunk by chunk with the unscale and clip factor fused into
+the kernel, writing the low-precision copy the compute tier fetches in the same pass.
 
 The device half (`hybrid=True`): at the first training step, before its update (the traced
 forward and backward measured the margin), the chunks whose optimizer fits the compute tier's
