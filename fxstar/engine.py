@@ -53,6 +53,7 @@ from fxstar.program import EXPORT, Program
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.layout import ChunkPlan
 from fxstar.runtime.loss_scale import LossScaler
+from fxstar.runtime.optim import HybridAdam
 from fxstar.runtime.step_check import begin_forward
 from fxstar.step_lock import StepLock, whole_state
 from fxstar.topology import Topology
@@ -64,7 +65,7 @@ __all__ = ["Engine", "compile"]
 # verification, mixed precision (chunks in bf16/fp16, fp32 masters) and HybridAdam
 ENGINE_OPTIONS = ("optimizer", "passes", "verify", "loss_fn", "seed", "device",
                   "precision", "loss_scale", "hybrid_adam", "margin_use_ratio",
-                  "data_parallel", "data_parallel_shard", "release_after_init")  # fmt: skip
+                  "data_parallel", "data_parallel_shard", "release_after_init", "disk")  # fmt: skip
 
 
 def implemented_options() -> set[str]:
@@ -438,6 +439,8 @@ class Engine(nn.Module):
         with self.step_lock:  # not while a forward or step runs
             if self._closed:
                 return
+            if isinstance(self._optimizer, HybridAdam):  # its disk tier's files
+                self._optimizer.close()
             if self.chunks is not None:
                 self.chunks.close()
             self.topology.release()
@@ -501,6 +504,8 @@ def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
                         weights=weights)  # fmt: skip
         if example_inputs or example_kwargs:
             engine.prepare(*example_inputs, **dict(example_kwargs or {}))
+            if plan.disk is not None:  # its directory taken now: a second engine fails here
+                engine.optimizer  # noqa: B018
     except BaseException:
         if engine is not None:
             engine.close()

@@ -230,6 +230,35 @@ def _check_state_dtype(plan: Plan) -> None:
         )
 
 
+def _check_disk(plan: Plan) -> None:
+    """The disk tier holds HybridAdam's moments, which runs over chunks with Adam/AdamW: a
+    plan with neither would ignore it."""
+    if plan.disk is None:
+        return
+    if plan.optimizer.type not in ("adam", "adamw"):
+        raise PlanError(
+            f"disk: the disk tier holds HybridAdam's moments; optimizer.type "
+            f"{plan.optimizer.type!r} has none there: use 'adam' or 'adamw', or leave disk out"
+        )
+    if plan.device_memory is None and plan.precision == "fp32":
+        raise PlanError(
+            "disk: the disk tier holds the chunks' optimizer state (HybridAdam), and this plan "
+            "has no chunks: set plan.device_memory (a budget, or 'auto')"
+        )
+
+
+def _path(v, name) -> str:
+    if isinstance(v, str | os.PathLike) and os.fspath(v):
+        return os.fspath(v)
+    raise _type_error(name, "a directory path", v)
+
+
+def _disk(v, name):
+    if isinstance(v, str | os.PathLike):  # a bare directory
+        return DiskConfig(path=_path(v, f"{name}.path"))
+    return _group(DiskConfig, optional=True)(v, name)
+
+
 def _chunk_size(v, name):
     if v == "auto":
         return v
@@ -527,6 +556,32 @@ class TiledLinearConfig(_Group):
 
 @_named_options
 @dataclass(frozen=True)
+class DiskConfig(_Group):
+    """The disk tier (DeepSpeed ZeRO-Infinity's NVMe offload of optimizer state): the Adam
+    moments of the chunks kept on the host live in files under `path`, streamed through host
+    memory a few chunks at a time during each step."""
+
+    _prefix: ClassVar[str] = "disk"
+
+    path: str = _option(
+        "", check=_path,
+        doc="Directory of the state files (made if missing; one engine at a time: a lock "
+        "refuses a second). Under several ranks each uses its subdirectory rank<N>.",
+    )  # fmt: skip
+    keep: bool = _option(
+        False, check=_boolean,
+        doc="Leave the state files when the engine closes; False removes them (and the "
+        "directory if the engine made it). Files the engine did not make are never touched.",
+    )  # fmt: skip
+    depth: int = _option(
+        3, check=_integer(2, 64),
+        doc="Chunks whose moments are in host memory at once during a step: the one updated, "
+        "the next being read and the last being written.",
+    )  # fmt: skip
+
+
+@_named_options
+@dataclass(frozen=True)
 class TensorParallelConfig(_Group):
     """Megatron-style tensor parallelism over the captured graph."""
 
@@ -717,6 +772,11 @@ class Plan:
         "1/N of device_memory, to try a layout for N devices on one (on CPU: N processes on "
         "one machine).",
     )  # fmt: skip
+    disk: DiskConfig | None = _option(
+        None, check=_disk, feature="the disk tier",
+        doc="The disk tier for the optimizer state (a DiskConfig, a dict, or a directory path); "
+        "None = everything in memory. Needs HybridAdam (Adam/AdamW over chunks).",
+    )  # fmt: skip
     tensor_parallel: TensorParallelConfig | None = _option(
         None, check=_group(TensorParallelConfig, optional=True),
         feature="the tensor-parallel pass",
@@ -765,6 +825,7 @@ class Plan:
         _validate(self, "")
         _check_warmup_share(self)
         _check_state_dtype(self)
+        _check_disk(self)
 
     # -- building and copying -----------------------------------------------------------------
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from fxstar.dump import note
@@ -504,11 +505,33 @@ class ChunkSchedule(Pass):
         original = rewrite(program, layout, fetches)
         if layout.ranks > 1:
             note_owners(program, layout)
+        if program.plan.disk is not None:
+            note_tiers(program, layout)
         access = access_plan(program.graph_module, layout, original, program.topology.load_unit)
         budget = capture_budget(program, access, layout)
         check_budget(access, layout, program, budget)
         program.decisions.chunk_plan = chunk_plan(program, layout, access, budget)
         return program
+
+
+def note_tiers(program: Program, layout: ChunkLayout) -> None:
+    """With a disk tier, each fetch node says where its chunk's parts live: the payload on
+    the host (loaded to the compute tier here), the fp32 master beside it (bf16/fp16), and
+    a trainable chunk's Adam moments on the disk tier (HybridAdam's device half may keep
+    some chunks on the compute tier for good at the first step: the report says which)."""
+    master = ", fp32 master host" if layout.dtype != torch.float32 else ""
+    for node in fetch_nodes(program):
+        moments = "disk" if layout.chunks[node.args[1]].trainable else "none (frozen)"
+        note(node, "tiers", f"payload host{master}, moments {moments}")
+
+
+def fetch_nodes(program: Program) -> Iterator[fx.Node]:
+    """Every fetch node, in the graph and in its regions."""
+    for module in program.graph_module.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.op == "call_function" and node.target is ops.fetch:
+                    yield node
 
 
 def note_owners(program: Program, layout: ChunkLayout) -> None:
@@ -521,14 +544,10 @@ def note_owners(program: Program, layout: ChunkLayout) -> None:
         unit = program.topology.load_unit
         load = (": group {group} all-gathered when loaded" if unit > 1
                 else ": broadcast from it when loaded")  # fmt: skip
-    for module in program.graph_module.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            if node.op == "call_function" and node.target is ops.fetch:
-                chunk = node.args[1]
-                group = chunk // layout.ranks
-                note(node, "dp", f"owner rank {layout.owner(chunk)}" + load.format(group=group))
+    for node in fetch_nodes(program):
+        chunk = node.args[1]
+        group = chunk // layout.ranks
+        note(node, "dp", f"owner rank {layout.owner(chunk)}" + load.format(group=group))
 
 
 def chunk_plan(program: Program, layout: ChunkLayout, access: AccessPlan,

@@ -30,7 +30,9 @@ the compute tier when their chunk is kept there; the objects stay).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -38,6 +40,7 @@ import torch
 from fxstar.runtime import cpu_adam
 from fxstar.runtime.chunk import Chunk, ChunkBudgetError
 from fxstar.runtime.grad_norm import GradNorm, clip_coefficient
+from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
 from fxstar.runtime.moments import MOMENT_KEYS, AdamMoments
@@ -45,6 +48,9 @@ from fxstar.runtime.step_chunks import StepChunks
 
 if TYPE_CHECKING:
     from fxstar.runtime.data_parallel import ChunkGroups
+    from fxstar.runtime.disk_tier import DiskTier
+
+MOMENTS = "moments"  # a chunk's part on the disk tier: both moments, as AdamMoments lays them
 
 __all__ = ["HostBudget", "HybridAdam"]
 
@@ -76,10 +82,14 @@ class HybridAdam(torch.optim.Optimizer):
         host_budget: HostBudget | None = None,
         data_parallel: ChunkGroups | None = None,
         state_dtype: str = "fp32",
+        disk: DiskTier | None = None,
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.chunks = chunks
         self.moments = AdamMoments(state_dtype)  # how the moments are stored and stepped
+        # the disk tier: host chunks' moments in its files, streamed through each step
+        self.disk = disk
+        self.on_disk: list[int] = []  # chunks whose moments the disk tier holds
         self.data_parallel = data_parallel  # the chunk owners and their collectives
         self.adamw = adamw
         self.clip_grad_norm = clip_grad_norm
@@ -142,8 +152,82 @@ class HybridAdam(torch.optim.Optimizer):
         for chunk in self._without_moments:
             if chunk.kept:
                 continue  # _keep made them on the compute tier
-            self._set_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
+            if self.disk is None:
+                self._set_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
+            else:  # zeros in a file of their own; the state holds them only while streamed
+                self._set_moments(chunk, [{} for _ in chunk.slots])
+                self.disk.add(chunk.id, MOMENTS, self._moment_bytes(chunk))
+                self.on_disk.append(chunk.id)
         self._without_moments = []
+
+    def _moment_bytes(self, chunk: Chunk) -> int:
+        return self.moments.nbytes(chunk.used, [s.numel for s in chunk.slots])
+
+    def _attach(self, chunk: Chunk, buffer: torch.Tensor) -> None:
+        """The chunk's parameters' state holds its moments in `buffer` (a disk part's bytes in
+        host memory) until `_detach`."""
+        views = self.moments.views(buffer, chunk.used, chunk.slots)
+        for slot, moments in zip(chunk.slots, views, strict=True):
+            state = self.state.get(self.chunks.param(slot))
+            if state is not None:
+                state.update(moments)
+
+    def _detach(self, chunk: Chunk) -> None:
+        """The state lets go of the moments `_attach` gave it: no view outlives its buffer."""
+        for slot in chunk.slots:
+            state = self.state.get(self.chunks.param(slot))
+            for key in MOMENT_KEYS:
+                if state is not None:
+                    state.pop(key, None)
+
+    @contextlib.contextmanager
+    def _streamed(self, chunk_ids: list[int]) -> Iterator[Callable[[Chunk], None]]:
+        """Around a step's updates: `attach(chunk)` before a run of a disk-homed chunk gives
+        its state the moments, streamed in the order the runs visit the chunks (the next
+        one read and the last written back while this one is updated: DiskTier.stream)."""
+        on_disk = set(self.on_disk)
+        order = [c for c in dict.fromkeys(chunk_ids) if c in on_disk]
+        if not order:
+            yield lambda chunk: None
+            return
+        stream = self.disk.stream(order, [MOMENTS])
+        current: list[Chunk] = []
+
+        def attach(chunk: Chunk) -> None:
+            if chunk.id not in on_disk or (current and current[-1] is chunk):
+                return
+            if current:
+                self._detach(current[-1])
+            item, parts = next(stream)
+            assert item == chunk.id, (item, chunk.id)  # the runs visit chunks in `order`
+            self._attach(chunk, parts[MOMENTS])
+            current.append(chunk)
+
+        try:
+            yield attach
+        finally:
+            if current:
+                self._detach(current[-1])
+            stream.close()  # the last chunk written back, every request waited for
+
+    @contextlib.contextmanager
+    def _every_disk_moment(self, *, write: bool) -> Iterator[None]:
+        """Every disk-homed chunk's moments in host buffers of their own, attached to the
+        state (a checkpoint's save reads them; `write`: a load's values go back to disk)."""
+        buffers = {}
+        for chunk_id in self.on_disk:
+            chunk = self.chunks.chunk(chunk_id)
+            buffer = host_empty(self._moment_bytes(chunk), zero=False)
+            buffers[chunk_id] = self.disk.read(chunk_id, MOMENTS, buffer)
+            self._attach(chunk, buffer)
+        try:
+            yield
+            if write:
+                for chunk_id, buffer in buffers.items():
+                    self.disk.write(chunk_id, MOMENTS, buffer)
+        finally:
+            for chunk_id in buffers:
+                self._detach(self.chunks.chunk(chunk_id))
 
     def _set_moments(self, chunk, views: list[dict[str, torch.Tensor]]) -> None:
         """Fresh state of the chunk's parameters, their moments these views of a chunk-long
@@ -281,6 +365,21 @@ class HybridAdam(torch.optim.Optimizer):
             self.last_grad_norm = math.sqrt(sum_sq) / scale
             if self.clip_grad_norm is not None:
                 grad_scale *= clip_coefficient(self.clip_grad_norm, self.last_grad_norm)
+        chunk_order = [self._slots[id(params[0])].chunk for params, _, span, _ in runs
+                       if span is not None]  # fmt: skip
+        with self._streamed(chunk_order) as attach:
+            touched = self._update(runs, grads, grad_scale, attach)
+        for chunk_id in touched:
+            self.chunks.stepped(self.chunks.chunk(chunk_id))
+        if groups is not None and groups.sharded:  # fetched from the owners from now on
+            groups.updated(self.chunks)
+        elif groups is not None:  # the owners' updates to every replica
+            groups.share_updates(self.chunks)
+        return True
+
+    def _update(self, runs: list, grads: list[torch.Tensor], grad_scale: float,
+                attach: Callable[[Chunk], None]) -> set[int]:  # fmt: skip
+        """Every run's update; the chunks touched."""
         touched = set()
         for (params, group, span, _), grad in zip(runs, grads, strict=True):
             if span is None:  # a parameter outside the chunks
@@ -295,6 +394,7 @@ class HybridAdam(torch.optim.Optimizer):
                 continue
             slot = self._slots[id(params[0])]
             chunk = self.chunks.chunk(slot.chunk)
+            attach(chunk)
             first = self.state[params[0]]
             for p in params:
                 self.state[p]["step"] += 1
@@ -313,13 +413,7 @@ class HybridAdam(torch.optim.Optimizer):
             if chunk.grads_in_payload:  # the copy-out overwrote the gradients in their room
                 self.chunks.payload_written(chunk, [self._slots[id(p)] for p in params])
             touched.add(slot.chunk)
-        for chunk_id in touched:
-            self.chunks.stepped(self.chunks.chunk(chunk_id))
-        if groups is not None and groups.sharded:  # fetched from the owners from now on
-            groups.updated(self.chunks)
-        elif groups is not None:  # the owners' updates to every replica
-            groups.share_updates(self.chunks)
-        return True
+        return touched
 
     def _device_step(self, chunk, span: slice, grad, moments, step, group,
                      grad_scale: float) -> None:  # fmt: skip
@@ -468,13 +562,25 @@ class HybridAdam(torch.optim.Optimizer):
     def _give_back_one(self, chunk_id: int) -> None:
         """One kept chunk back to the host tier, its moments into a host buffer of its own."""
         chunk = self.chunks.chunk(chunk_id)
-        self._move_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
+        if self.disk is None:
+            self._move_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
+        else:  # to the disk tier, as the host chunks' moments are
+            buffer = host_empty(self._moment_bytes(chunk), zero=True)
+            self._move_moments(chunk, self.moments.views(buffer, chunk.used, chunk.slots))
+            self.disk.add(chunk.id, MOMENTS, buffer.nbytes)
+            self.disk.write(chunk.id, MOMENTS, buffer)
+            self._detach(chunk)
+            self.on_disk.append(chunk.id)
         self.chunks.give_back(chunk_id)  # frees the moments' block too
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's, plus which chunks are kept on the compute tier: a resumed run updates
-        each chunk with the same kernel as the run it continues (bitwise resumption)."""
-        state = super().state_dict()
+        each chunk with the same kernel as the run it continues (bitwise resumption). The
+        disk tier's moments are read into memory for it."""
+        with self._every_disk_moment(write=False):
+            state = super().state_dict()
+            # torch packs the state's own dicts, which the disk tier's detach empties
+            state["state"] = {index: dict(entry) for index, entry in state["state"].items()}
         state["fxstar_device_chunks"] = list(self.device_chunks) if self._placed else None
         groups = self.data_parallel  # chunk ids name chunks of a layout of this size
         state["fxstar_data_parallel"] = groups.size if groups is not None else 1
@@ -498,6 +604,10 @@ class HybridAdam(torch.optim.Optimizer):
             else:  # each rank its own
                 self._keep([c for c in device_chunks if self.chunks.owns(c)])
         self._host_moments()  # the chunk-long moments the loaded values go into
+        with self._every_disk_moment(write=True):  # the disk tier's in memory, written back
+            self._load_moments(state_dict)
+
+    def _load_moments(self, state_dict: dict[str, Any]) -> None:
         views = {id(p): dict(s) for p, s in self.state.items()}
         # the moments bypass torch's loading, which would cast each to its parameter's dtype
         # first (8-bit codes to fp32: 4 bytes of host memory where the state keeps 1)
@@ -522,7 +632,7 @@ class HybridAdam(torch.optim.Optimizer):
         """Per tier ('host', 'compute'): the bytes of both moments of this rank's parameters
         there, as laid out (before the first step: as they will be), and the parameter
         elements they are of."""
-        held = {"host": [0, 0], "compute": [0, 0]}
+        held = {"host": [0, 0], "compute": [0, 0], "disk": [0, 0]}
         for group in self.param_groups:
             for param in group["params"]:
                 if id(param) not in self._in_chunks:
@@ -530,7 +640,7 @@ class HybridAdam(torch.optim.Optimizer):
                     held["host"][1] += param.numel()
         for chunk in self.chunks.own_trainable():
             numels = [s.numel for s in chunk.slots]
-            tier = "compute" if chunk.kept else "host"
+            tier = "compute" if chunk.kept else "host" if self.disk is None else "disk"
             length = self.chunks.layout.chunk_size if chunk.kept else chunk.used
             held[tier][0] += self.moments.nbytes(length, numels)
             held[tier][1] += sum(s.numel for s in chunk.slots
@@ -548,7 +658,20 @@ class HybridAdam(torch.optim.Optimizer):
         )
         if self.chunks.layout.dtype != torch.float32:
             line += "; the fp32 masters beside them take 4 bytes per parameter"
+        if self.disk is not None:
+            kept = (
+                f"; kept on the compute tier: chunks {self.device_chunks}"
+                if self.device_chunks
+                else ""
+            )
+            line += (f"\nmoments on the disk tier: chunks {sorted(self.on_disk)}{kept}\n"
+                     + self.disk.describe())  # fmt: skip
         return line
+
+    def close(self) -> None:
+        """Release the disk tier (its files go unless the plan keeps them)."""
+        if self.disk is not None:
+            self.disk.close()
 
 
 def _moments_apart(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dict]]:
