@@ -172,7 +172,7 @@ class _Rewrite:
             _consolidate(dim, parts, self.group),
         )
         (full_name,) = parts_made
-        self.sharding.params.add(full_name)
+        self.sharding.splits[full_name] = (dim, parts)
         old = self.nodes[node_name]
         new = self.program.add_input("parameter", full_name, f"{old.name}_tp")
         new.meta.update(old.meta)

@@ -142,8 +142,9 @@ class Sharding:
     rank_random: list[str] = field(default_factory=list)  # dropouts on splits: own stream
     seq_random: list[str] = field(default_factory=list)  # dropouts on token blocks
     # the parameters split across the ranks, by their fed names (the rewrite derives their
-    # shards): the gradient norm sums these over the ranks, the others once (grad_norm.py)
-    params: set[str] = field(default_factory=set)
+    # shards): fed name -> (dim, parts) as `tensor_parallel.shard_of` cuts it; a checkpoint
+    # records it, so a rank's optimizer state glues back into the whole parameter's
+    splits: dict[str, tuple[int, int]] = field(default_factory=dict)
     # parameters split outside linears (a norm weight over a split projection, Mamba's A_log):
     # placeholder -> dim
     split_params: dict[str, int] = field(default_factory=dict)
@@ -151,6 +152,12 @@ class Sharding:
     reduced: dict[str, str] = field(default_factory=dict)
     # every linear's module -> 'column' | 'row' | 'vocab' | 'replicate' (the report's list)
     linears: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def params(self) -> set[str]:
+        """The split parameters' fed names: the gradient norm sums these over the ranks, the
+        others once (grad_norm.py)."""
+        return set(self.splits)
 
     def site(self, output: str) -> LinearSite:
         return next(s for s in self.sites if s.output == output)

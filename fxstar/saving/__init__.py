@@ -7,7 +7,9 @@ The guide is docs/checkpoints.md. One idea a module:
                        made in one place (`view_of`); nothing else here sees the engine
     layouts/           one module per way the ranks of one model share a checkpoint: one
                        process, tensor-parallel ranks (and 2-D meshes), data-parallel ranks;
-                       each writes a view into a directory and reads it back
+                       each writes a view into a directory and reads it back; and the
+                       checkpoint's logical state, of which a rank of another mesh takes its
+                       share (logical_state.py, reshard.py)
     training_state.py  the step, RNG, optimizer and saved-along state, checked before restored
     rng.py             the random generators' state
     file_format.py     the files of a checkpoint, their checksums and the manifest

@@ -19,7 +19,7 @@ from torch import nn
 from fxstar.errors import CheckpointError
 from fxstar.saving.directory import resolve
 from fxstar.saving.file_format import STATE, TENSORS
-from fxstar.saving.layouts import check_resumable, layout_for, layout_of
+from fxstar.saving.layouts import check_resumable, layout_for, layout_of, resharded, reshards
 from fxstar.saving.training_state import fitted, restore
 from fxstar.saving.verified_reads import (
     parameter_files,
@@ -139,8 +139,11 @@ class Checkpoint:
         # collective under tensor parallelism (the parameters are gathered): every rank is here;
         # sharded payloads: names and shapes suffice (other ranks' chunks are meta here)
         self.check(view.rank_state_dict())
-        rank = world.rank() if ranks != 1 and world.ranks == ranks else 0
-        state = self.state if rank == 0 else layout_of(self.meta).state_of_rank(self, rank)
+        if reshards(self.meta, world):  # another mesh: this rank's share of the logical state
+            state, view = resharded(self, view)
+        else:
+            rank = world.rank() if ranks != 1 and world.ranks == ranks else 0
+            state = self.state if rank == 0 else layout_of(self.meta).state_of_rank(self, rank)
         optimizer_state = fitted(view, state, strict=strict, rng=rng, file=self.path / STATE)
         view.copy_parameters(self.parameters_one_by_one())  # a rank's shards cut by the store
         view.zero_grad()

@@ -42,6 +42,9 @@ MANIFEST = "manifest.json"
 MARKER = "fxstar-scratch.json"  # in a save's scratch directory: what makes it fxstar's
 ALIASES_KEY = "fxstar.aliases"
 TRANSFORMERS_CONFIG = "transformers_config"  # training.json: a transformers model's config
+# training.json: how tensor parallelism cut each parameter it split, {fed name: [dim, parts]},
+# so the ranks' optimizer states glue back into whole parameters' (layouts/logical_state.py)
+TENSOR_SPLITS = "tensor_splits"
 FIX = "restore it from a copy, or save the checkpoint again"
 
 
@@ -105,6 +108,8 @@ def training_json(view: TrainingView, ranks: int, aliases: dict[str, str], skele
     }
     if view.transformers_config is not None:  # what `fxstar export` rebuilds the model from
         meta[TRANSFORMERS_CONFIG] = view.transformers_config
+    if view.world.tensor_parallel > 1:
+        meta[TENSOR_SPLITS] = {name: list(split) for name, split in view.tensor_splits.items()}
     return meta
 
 

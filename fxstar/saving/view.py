@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxstar.mesh import MeshLayout
+from fxstar.runtime.optim import HybridAdam
 from fxstar.runtime.rank_group import RankGroup
 from fxstar.saving.collective import rank_in
 from fxstar.saving.state_stream import state_items
@@ -44,6 +46,11 @@ class World:
     def rank(self) -> int:
         """This process's place among `ranks` (its rank in `group`)."""
         return rank_in(self.group) if self.ranks > 1 else 0
+
+    @property
+    def mesh(self) -> MeshLayout:
+        """The ranks as a (data-parallel x tensor-parallel) grid, tensor parallel inner."""
+        return MeshLayout(self.ranks, self.tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,11 @@ class TrainingView:
     step_count: int  # micro-steps taken
     set_step_count: Callable[[int], None]
     rank_stream: RankStream | None  # the tensor-parallel RNG stream of this rank
+    # the parameters tensor parallelism split, by fed name: (dim, parts) as shard_of cuts them
+    tensor_splits: Mapping[str, tuple[int, int]]
+    # the names of the parameters whose optimizer state this rank holds (None: every one;
+    # HybridAdam under data parallelism: its own chunks' and those outside the chunks)
+    stepped: frozenset[str] | None
     # copies (name, value) pairs into the tensors the engine trains, one value at a time
     copy_parameters: Callable[[Pairs], None]
     zero_grad: Callable[[], None]
@@ -127,6 +139,8 @@ def view_of(engine: Engine) -> TrainingView:
         step_count=engine.step_count,
         set_step_count=lambda count: setattr(engine, "step_count", count),
         rank_stream=None if tp_group is None else tp_group.stream,
+        tensor_splits=_tensor_splits(engine) if tp_group is not None else {},
+        stepped=_stepped(engine),
         copy_parameters=lambda pairs: copy_parameters(store, pairs),
         zero_grad=lambda: engine.zero_grad(set_to_none=True),
     )
@@ -138,6 +152,30 @@ def _transformers_config(model: nn.Module) -> dict[str, Any] | None:
     if not is_transformers(model):
         return None
     return json.loads(model.config.to_json_string(use_diff=False))
+
+
+def _tensor_splits(engine: Engine) -> dict[str, tuple[int, int]]:
+    """How the tensor_parallel pass cut each parameter it split (every capture cuts alike)."""
+    splits: dict[str, tuple[int, int]] = {}
+    for program in engine.programs.values():
+        sharding = program.decisions.tp_sharding
+        if sharding is not None:
+            splits.update(sharding.splits)
+    return splits
+
+
+def _stepped(engine: Engine) -> frozenset[str] | None:
+    """The parameters HybridAdam steps on this rank under data parallelism: those of its own
+    chunks and those kept out of the chunks; None where the optimizer steps every one."""
+    chunks = engine.chunks
+    if not isinstance(engine.optimizer, HybridAdam) or chunks.data_parallel is None:
+        return None
+    step_chunks = chunks.step_chunks
+    own = {id(step_chunks.param(slot)) for chunk in step_chunks.own_trainable()
+           for slot in chunk.slots}  # fmt: skip
+    chunked = {id(p) for p in step_chunks.params()}
+    return frozenset(name for name, p in engine.named_parameters()
+                     if id(p) in own or id(p) not in chunked)  # fmt: skip
 
 
 def _tensor_parallel_size(engine: Engine) -> int:

@@ -11,9 +11,12 @@ import torch
 from conftest import tiny_gpt, tokens
 from trained import (
     OPTIMIZER,
+    build,
     copy_checkpoint,
+    edit_json,
     equal,
     intact,
+    reseal,
     save_trained,
     train,
     users_dirs,
@@ -129,7 +132,15 @@ def test_a_tensor_parallel_run_resumes_bitwise_on_every_rank(tmp_path):
     file.write_bytes(file.read_bytes()[:-100])
     with pytest.raises(fxstar.CheckpointError, match="truncated"):
         read_rank_state(damaged, fxstar.load(damaged).meta, 1)
-    # another world size (here: one process) is refused, naming both
-    engine = compile(tiny_gpt(), Plan(optimizer=OPTIMIZER), tokens())
-    with pytest.raises(fxstar.CheckpointError, match="2 tensor-parallel ranks.*runs on 1"):
-        engine.load(path)
+    # one process resumes it (every mesh: tests/saving/test_reshard.py), but not from a
+    # checkpoint that does not record how tensor parallelism split the parameters (an older
+    # fxstar's): refused, naming both worlds
+    older = copy_checkpoint(path, tmp_path / "older")
+    edit_json(older, lambda meta: meta.pop(ckpt.file_format.TENSOR_SPLITS))
+    reseal(older)
+    engine, _ = build(Plan(optimizer=OPTIMIZER))
+    with pytest.raises(fxstar.CheckpointError, match="2 tensor-parallel ranks.*did not record.*"
+                                                     "runs on 1"):  # fmt: skip
+        engine.load(older)
+    engine.load(path)
+    assert equal(engine.state_dict(), results[0]["saved"])

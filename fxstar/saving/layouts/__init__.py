@@ -13,18 +13,23 @@ from fxstar.saving.layouts.base import (
     saved_tensor_parallel,
 )
 from fxstar.saving.layouts.data_parallel import DataParallelRanks
+from fxstar.saving.layouts.logical_state import LogicalState
 from fxstar.saving.layouts.one_process import OneProcess
+from fxstar.saving.layouts.reshard import resharded, reshards
 from fxstar.saving.layouts.tensor_parallel import TensorParallelRanks
 from fxstar.saving.view import World
 
 __all__ = [
     "DataParallelRanks",
     "Layout",
+    "LogicalState",
     "OneProcess",
     "TensorParallelRanks",
     "check_resumable",
     "layout_for",
     "layout_of",
+    "resharded",
+    "reshards",
 ]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fxstar.errors import CheckpointError
+from fxstar.saving.file_format import TENSOR_SPLITS
 from fxstar.saving.view import TrainingView, World
 
 if TYPE_CHECKING:
@@ -51,29 +52,30 @@ def saved_data_parallel(meta: Mapping[str, Any]) -> int:
 
 
 def check_resumable(path: Path, meta: Mapping[str, Any], world: World) -> None:
-    """A tensor-parallel checkpoint resumes an engine of the same world and tensor-parallel
-    size, each rank from its own training state; a data-parallel one (or a one-process one)
-    resumes one without tensor parallelism at any number of data-parallel ranks, each
-    taking the optimizer state of its own chunks from the consolidated state (the RNG
-    states are the ranks' own at the same world size, rank 0's otherwise); anything else is
-    refused here."""
-    ranks, mine = meta.get("ranks", 1), world.ranks
-    saved_tp, my_tp = saved_tensor_parallel(meta), world.tensor_parallel
-    if saved_tp == my_tp == 1 and (saved_data_parallel(meta) > 1 or ranks == 1):
+    """A checkpoint resumes an engine of any (data-parallel x tensor-parallel) mesh: at the
+    saved one each rank restores its own training state; without tensor parallelism on either
+    side each data-parallel rank takes its own chunks' state from the joined one; else each
+    rank takes its share of the logical state (layouts/reshard.py). Refused here: a
+    checkpoint of several ranks with rank 0's training state only, and one that tensor
+    parallelism split without recording how (both of an older fxstar), at another mesh."""
+    ranks, saved_tp = meta.get("ranks", 1), saved_tensor_parallel(meta)
+    if saved_tp == world.tensor_parallel == 1 and (saved_data_parallel(meta) > 1 or ranks == 1):
         return  # data parallel or one process: the optimizer state reshards by name
-    if ranks != mine or (ranks != 1 and saved_tp != my_tp):
-        raise CheckpointError(
-            f"{path} was saved by {ranks} tensor-parallel ranks (tensor_parallel size "
-            f"{saved_tp} x {saved_data_parallel(meta)} data-parallel replicas); this engine "
-            f"runs on {mine} (size {my_tp} x {world.data_parallel}): a run resumes "
-            "at the same world size and tensor-parallel size only (resharding tensor-"
-            "parallel optimizer state is not supported); to start afresh from its weights, "
-            "load its parameters into the model before compile (fxstar.load(dir, model))"
-        )
-    if "rank_states" not in meta:
+    if ranks != 1 and "rank_states" not in meta:
         raise CheckpointError(
             f"{path} was saved by {ranks} tensor-parallel ranks with rank 0's training "
             "state only (an older fxstar), so it cannot resume a run; load its parameters "
             "into the model before compile (fxstar.load(dir, model)) and start the "
             "optimizer afresh"
+        )
+    same = (ranks, saved_tp) == (world.ranks, world.tensor_parallel)
+    if not same and saved_tp > 1 and TENSOR_SPLITS not in meta:
+        raise CheckpointError(
+            f"{path} was saved by {ranks} tensor-parallel ranks (tensor_parallel size "
+            f"{saved_tp} x {saved_data_parallel(meta)} data-parallel replicas) by an fxstar "
+            f"that did not record how it split the parameters; this engine runs on "
+            f"{world.ranks} (size {world.tensor_parallel} x {world.data_parallel}): it "
+            "resumes at the same world size and tensor-parallel size only; to start afresh "
+            "from its weights, load its parameters into the model before compile "
+            "(fxstar.load(dir, model))"
         )

@@ -11,8 +11,9 @@ rank's tensors pass through another. training.json says "data_parallel": N.
 
 Loading consolidates: the optimizer states of all ranks are joined into one (`fxstar.load`
 returns that), and each rank of any number of data-parallel ranks, or one process, takes what
-its own chunks need, so a checkpoint of 2 ranks resumes at 1, 2 or 4. At the same world size
-each rank gets its own RNG state back, at another rank 0's.
+its own chunks need, so a checkpoint of 2 ranks resumes at 1, 2 or 4 (and on a mesh with
+tensor parallelism, each rank cutting its shards from the joined state: reshard.py). At the
+same world size each rank gets its own RNG state back, at another rank 0's.
 """
 
 from __future__ import annotations

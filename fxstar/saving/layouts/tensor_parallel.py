@@ -4,14 +4,13 @@ parallelism) save one checkpoint through rank 0.
 Every rank calls `save`: the parameters are gathered from the shards and every rank's training
 state (its RNG, its shards of the optimizer moments, keyed by the fed names every rank shares)
 is gathered to rank 0 over the engine's group (the mesh's: every rank), which alone writes
-(one_process.write_whole). Every rank returns once the checkpoint is whole (or raises rank 0's
+(one_process.write_whole); training.json records how the tensor_parallel pass cut each
+parameter ("tensor_splits"), the mapping from the ranks' states to the logical one
+(logical_state.py). Every rank returns once the checkpoint is whole (or raises rank 0's
 error). Every rank calls `Checkpoint.apply` (`engine.load`) too: the full parameters are cut
-into its shards by the store, and it restores its own rank's training state, so the run
-resumes bit for bit. On a mesh each rank's optimizer state is the moments of its own chunks of
-its own shards, which no consolidation by name can join. So such a checkpoint resumes at the
-same world size and tensor-parallel size only; another (or a checkpoint of an older fxstar,
-with rank 0's state only) is refused with a CheckpointError (layouts/base.check_resumable):
-`fxstar.load(dir, model)` before compile still takes its weights.
+into its shards by the store; at the same world size and tensor-parallel size it restores its
+own rank's training state, so the run resumes bit for bit, and at another mesh it takes its
+share of the logical state (reshard.py).
 """
 
 from __future__ import annotations
