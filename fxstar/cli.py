@@ -111,6 +111,8 @@ def _plan(args: argparse.Namespace, base: Plan | None = None) -> Plan:
         changes["optimizer"] = dataclasses.replace(plan.optimizer, lr=args.lr)
     if getattr(args, "device_memory", None) is not None:
         changes["device_memory"] = args.device_memory
+    if getattr(args, "disk", None) is not None:
+        changes["disk"] = args.disk
     return plan.replace(**changes) if changes else plan
 
 
@@ -398,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--plan", metavar="PLAN.json", help="plan options as JSON")
     memory.add_argument("--passes", metavar="A,B", help="passes to run in addition to the plan's")
     memory.add_argument("--device-memory", metavar="SIZE", help=DEVICE_MEMORY_HELP)
+    memory.add_argument("--disk", metavar="DIR",
+                        help="keep the optimizer's moments in files under DIR (the disk tier; "
+                        "needs --device-memory), removed when training ends")  # fmt: skip
     out = p.add_argument_group("output")
     out.add_argument("--log-every", type=_count(0), default=10,
                      help="print the loss every N steps (0: never)")  # fmt: skip

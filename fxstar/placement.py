@@ -31,6 +31,7 @@ from fxstar.errors import FxstarError, UsageError
 from fxstar.hf_checkpoint import converted_source
 from fxstar.plan import resolve_device
 from fxstar.runtime.layout import ChunkPlan, spare_bytes
+from fxstar.runtime.moments import moment_bytes
 from fxstar.sizes import format_size
 from fxstar.topology import Topology
 from fxstar.weights import WeightSource, initialize, is_transformers, materialize, tied_names
@@ -106,13 +107,18 @@ def host_need(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None
     the host: a CPU-only machine)."""
     layout = chunk_plan.layout
     low_precision = layout.dtype != torch.float32
+    adam = plan.optimizer.type in ("adam", "adamw")
     need = layout.host_bytes(
         masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
-        moments=plan.optimizer.type in ("adam", "adamw"), state_dtype=plan.optimizer.state_dtype,
+        moments=adam and plan.disk is None, state_dtype=plan.optimizer.state_dtype,
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
         sharded=layout.ranks > 1 and Topology(plan).sharded_payloads,  # and its own homes only
         kept=forecast_kept(plan, chunk_plan) if kept is None else kept,
     )  # fmt: skip
+    if adam and plan.disk is not None:  # the disk tier's moments pass through its host slots
+        need += plan.disk.depth * max(
+            (moment_bytes(plan.optimizer.state_dtype, c.used, [p.numel for p in c.params])
+             for c in layout.chunks if c.trainable), default=0)  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     return need, arena
 
@@ -124,6 +130,7 @@ def describe_host(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = Non
     count = len(forecast_kept(plan, chunk_plan) if kept is None else kept)
     return (
         f"host memory: {format_size(need)} for chunk homes and optimizer state"
+        + (" (the moments in the disk tier's host slots)" if plan.disk is not None else "")
         + (f" (but the {count} chunks kept on the compute tier)" if count else "")
         + (f" and {format_size(arena)} for the arena" if arena else "")
         + f", of a host budget of {format_size(budget)} ({source})"

@@ -130,6 +130,17 @@ def test_train_timeline_needs_the_chunk_engine(tmp_path, capsys):
     assert "--timeline: draws the chunk engine's memory" in capsys.readouterr().err
 
 
+def test_train_with_the_disk_tier_leaves_nothing_behind(tmp_path, capsys):
+    state = tmp_path / "state"
+    args = ["train", "--steps", "2", *SMALL, "--device-memory", "auto", "--disk", str(state)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "on the disk tier" in out and f"disk tier {state}" in out
+    assert not state.exists()
+    assert main(["train", "--steps", "1", *SMALL, "--disk", str(state)]) == 2
+    assert "disk: the disk tier holds" in capsys.readouterr().err
+
+
 def test_an_arena_the_machine_cannot_hold_is_a_one_line_error(capsys):
     assert main(["train", "--steps", "1", *SMALL, "--device-memory", "1000TB"]) == 2
     err = capsys.readouterr().err
