@@ -46,6 +46,15 @@ MESHES = {
     "1x2/torch": {"optimizer": CHUNKS["optimizer"], "tensor_parallel": {"size": 2},
                   "data_parallel": False},
 }  # fmt: skip
+for _mesh in ("1x1", "1x2"):  # torch's SGD with momentum, without chunks
+    MESHES[f"{_mesh}/sgd"] = {**MESHES[f"{_mesh}/torch"], "optimizer": {"type": "sgd", "lr": 0.1}}
+for _mesh in ("1x1", "1x2", "2x2"):  # fp16 (a loss scaler); Adam's moments in bf16, in 8 bits
+    MESHES[f"{_mesh}/fp16"] = {**MESHES[_mesh], "precision": "fp16"}
+    for _dtype in ("bf16", "8bit"):
+        MESHES[f"{_mesh}/{_dtype} moments"] = {
+            **MESHES[_mesh],
+            "optimizer": {**CHUNKS["optimizer"], "state_dtype": _dtype},
+        }
 # the tiny GPT (2 heads, tied vocab-parallel head, fused q/k/v: parts of a column split), and
 # GPT-NeoX at transformers' defaults (4 heads, q/k/v fused per head, untied head, no dropout)
 PAIRS = {
@@ -54,11 +63,17 @@ PAIRS = {
     "gpt_neox": [("2x2", "1x4")],
 }  # fmt: skip
 SLOW_PAIRS = {
-    "gpt": [("1x1", "2x2"), ("2x2", "4x1"), ("1x2", "4x1"), ("1x1/torch", "1x2/torch")],
+    "gpt": [("1x1", "2x2"), ("2x2", "4x1"), ("1x2", "4x1"), ("1x1/torch", "1x2/torch"),
+            ("1x2/fp16", "2x2/fp16"), ("2x2/bf16 moments", "1x1/bf16 moments"),
+            ("1x2/8bit moments", "1x1/8bit moments"), ("1x2/sgd", "1x1/sgd")],
     "gpt_neox": [("1x4", "2x2"), ("1x4", "1x1"), ("1x1", "1x4"), ("4x1", "1x2")],
 }  # fmt: skip
 # after the resume: the losses of the uninterrupted run within rounding of another split
-LOSS_RTOL = 1e-5
+# (measured: at most 1.2e-7 in fp32; an fp16 loss within one of its ulps, 2**-8 near 4)
+LOSS_RTOL = {"fp32": 1e-6, "fp16": 1e-3}
+# 8-bit moments' blocks follow each rank's shard: they do not reshard across tensor-parallel
+# sizes, and the load says so
+REFUSED = {("1x2/8bit moments", "1x1/8bit moments")}
 
 
 def _model(name: str):
@@ -112,7 +127,7 @@ def _train(engine, name: str, rows: slice, steps: range) -> list[float]:
 def _snapshot(engine) -> dict:
     """What a rank holds: the whole parameters (engine.state_dict), its own shards, its
     optimizer's state by parameter name, how the pass split each parameter, where the rank
-    sits, and its RNG states."""
+    sits, its RNG states, step counters and loss scaler."""
     view = view_of(engine)
     state = training_state(view)
     names = [n for group in state["optimizer_params"] for n in group]
@@ -128,6 +143,7 @@ def _snapshot(engine) -> dict:
         "tp": world.tensor_parallel,
         "tp_rank": world.mesh.tp_rank(world.rank()),
         "rng": state["rng"],
+        "counters": {key: state[key] for key in ("step", "loss_scaler") if key in state},
     }
 
 
@@ -159,7 +175,11 @@ def _pairs(rank: int, name: str, pairs: list[tuple[str, str]], directory: str) -
             torch.manual_seed(1000 + rank)  # the load must not depend on the RNG it finds
             engine, at = _engine(name, target, rank)
             stream_before = _snapshot(engine)["rng"].get("tensor_parallel")
-            engine.load(_path(directory, source))
+            try:
+                engine.load(_path(directory, source))
+            except fxstar.CheckpointError as error:
+                out[source, target] = {"model": at.model, "refused": str(error)}
+                continue
             snapshot = _snapshot(engine)
             losses = _train(engine, name, at.rows, range(SAVED_AFTER, STEPS))
             out[source, target] = {"model": at.model, "state": snapshot, "losses": losses,
@@ -237,9 +257,13 @@ class _Matrix:
 
 def check_pair(results: list[dict], source: str, target: str) -> None:
     """Right after the load: the whole parameters, the consolidated optimizer state and the
-    RNG states that carry over are the source's, bit for bit; then the losses go on."""
+    RNG states that carry over, the step counters and the loss scaler are the source's, bit
+    for bit; then the losses go on."""
     saved, resumed = _first_model(results, source), _first_model(results, (source, target))
+    assert "refused" not in resumed[0], resumed[0]
     _same(resumed[0]["state"]["params"], saved[0]["state"]["params"], "parameters")
+    for run in resumed:
+        _same(run["state"]["counters"], saved[0]["state"]["counters"], "counters")
     _same(_consolidated([r["state"] for r in resumed]),
           _consolidated([r["state"] for r in saved]), "optimizer")  # fmt: skip
     # the processes' generators: saved rank 0's on every rank
@@ -257,13 +281,15 @@ def check_pair(results: list[dict], source: str, target: str) -> None:
     # the mean loss over the model's replicas, step by step
     through = torch.tensor([r["losses"] for r in saved]).mean(0)
     after = torch.tensor([r["losses"] for r in resumed]).mean(0)
-    torch.testing.assert_close(after, through, rtol=LOSS_RTOL, atol=0)
+    rtol = LOSS_RTOL["fp16" if source.endswith("fp16") else "fp32"]
+    torch.testing.assert_close(after, through, rtol=rtol, atol=0)
 
 
 def _cases(pairs: dict, slow: bool) -> list:
     marks = [pytest.mark.slow] if slow else []
     return [pytest.param(name, s, t, slow, marks=marks, id=f"{name}-{s}-to-{t}")
-            for name, listed in pairs.items() for s, t in listed]  # fmt: skip
+            for name, listed in pairs.items() for s, t in listed
+            if (s, t) not in REFUSED]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "source", "target", "slow"),
@@ -272,6 +298,14 @@ def test_a_checkpoint_resumes_on_another_mesh(matrix, name, source, target, slow
     if name != "gpt":
         pytest.importorskip("transformers")
     check_pair(matrix.runs(name, slow), source, target)
+
+
+@pytest.mark.slow
+def test_8bit_moments_are_refused_at_another_tensor_parallel_size(matrix):
+    """Their blocks follow each rank's shard: the load names why, before anything changed."""
+    for source, target in REFUSED:
+        for run in _first_model(matrix.runs("gpt", True), (source, target)):
+            assert "not its parameter's" in run["refused"] and "8-bit" in run["refused"]
 
 
 def test_the_logical_state_glues_a_parameter_at_a_time(matrix, monkeypatch):
