@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
 #include <vector>
 
 namespace fxstar {
@@ -25,6 +28,33 @@ QuantMap build(bool is_signed) {
   QuantMap map{};
   for (int i = 0; i < 256; ++i) map.code[i] = static_cast<float>(values[static_cast<size_t>(i)]);
   for (int i = 0; i < 255; ++i) map.mid[i] = (map.code[i] + map.code[i + 1]) * 0.5f;
+  map.mid[255] = std::numeric_limits<float>::infinity();
+  // each bucket's values run from `least` to `most`: its first code counts the boundaries
+  // below `least`, and no other boundary may lie below `most`
+  auto below = [&map](float x) {
+    return static_cast<int>(std::lower_bound(map.mid, map.mid + 255, x) - map.mid);
+  };
+  auto value = [](uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  };
+  for (int b = 0; b < kBuckets; ++b) {
+    const uint32_t low = b == 0 ? 0u : kBucketLow + (static_cast<uint32_t>(b) << kBucketShift);
+    const uint32_t high =
+        b == kBuckets - 1 ? kBucketHigh : kBucketLow + ((b + 1u) << kBucketShift) - 1u;
+    for (int negative = 0; negative < 2; ++negative) {
+      const uint32_t sign = negative ? 0x80000000u : 0u;
+      const float least = value(sign | (negative ? high : low));
+      const float most = value(sign | (negative ? low : high));
+      const int first = below(least);
+      // the comparison with mid[first] adds the one boundary a bucket may hold
+      if (below(most) > first + 1) {
+        throw std::logic_error("quant_map: a bucket holds two decision boundaries");
+      }
+      map.first[b + negative * kBuckets] = first;
+    }
+  }
   return map;
 }
 

@@ -159,6 +159,35 @@ def test_quantize_moment_matches_the_reference_and_round_trips():
     assert torch.all(torch.sign(back) * torch.sign(m) >= 0)
 
 
+def neighbours(x: torch.Tensor, ulps: int = 2) -> torch.Tensor:
+    """x and the `ulps` float32 values either side of each."""
+    bits = x.view(torch.int32)
+    return torch.cat([(bits + k).view(torch.float32) for k in range(-ulps, ulps + 1)])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_nearest_code_at_and_beside_every_boundary(signed):
+    """The core finds a code from the value's bits (a bucket's first code and one comparison);
+    at each decision boundary, its float neighbours, every bucket's edges of 1/256 binade
+    (both signs) and the smallest magnitudes, it is the reference's binary search. Each block
+    holds a 1 so the values are quantised as they are."""
+    code = maps()[0 if signed else 1]
+    mids = (code[:-1] + code[1:]) * 0.5
+    edges = torch.arange(0x33800000, 0x3F800001, 1 << 15, dtype=torch.int32).view(torch.float32)
+    tiny = torch.tensor([0.0, 1e-45, 1e-30, 2.0**-24, 1e-7, 3e-7])
+    x = torch.cat([neighbours(mids.abs()), neighbours(edges, 1), tiny])
+    x = x[(x >= 0) & (x <= 1)]
+    if signed:
+        x = torch.cat([x, -x, torch.tensor([-0.0])])
+    x = torch.nn.functional.pad(x, (0, -x.numel() % (BLOCK - 1))).view(-1, BLOCK - 1)
+    x = torch.cat([torch.ones(x.shape[0], 1), x], dim=1).reshape(-1)
+    codes, absmax = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(x.numel() // BLOCK)
+    _C.quantize_moment(x, codes, absmax, signed=signed)
+    want, _ = reference_quantize(x, code, signed)
+    assert torch.equal(absmax, torch.ones_like(absmax))
+    assert torch.equal(codes, want), x[codes != want][:8]
+
+
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_8bit_moments_match_the_reference(adamw, grad_dtype):
