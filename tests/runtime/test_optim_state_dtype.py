@@ -119,6 +119,22 @@ def test_kept_chunks_stepped_by_torch_follow_the_kernel(state_dtype):
 
 
 @pytest.mark.parametrize("state_dtype", LEAN)
+def test_moments_move_between_the_tiers_as_they_are(state_dtype):
+    """Chunks kept on the compute tier (stepped there by the same C++ kernel), given back to
+    the host tier after two steps, and trained on: bitwise the run that kept none."""
+    moved, host = engine_for(state_dtype, kept=True), engine_for(state_dtype)
+    moved_losses = train(moved, range(2))
+    kept = list(moved.optimizer.device_chunks)
+    assert kept and moved.optimizer.give_back(0) == kept[::-1]
+    moved_losses += train(moved, range(2, 4))
+    assert torch.equal(torch.stack(moved_losses), torch.stack(train(host, range(4))))
+    after, want = params(moved), params(host)
+    assert all(torch.equal(after[n], want[n]) for n in want)
+    got, expected = states(moved), states(host)
+    assert all(torch.equal(got[n][k], v) for n in expected for k, v in expected[n].items())
+
+
+@pytest.mark.parametrize("state_dtype", LEAN)
 def test_a_checkpoint_resumes_bitwise_with_its_moments_in_their_dtype(state_dtype, tmp_path):
     engine = engine_for(state_dtype, kept=True)
     train(engine, range(2))
