@@ -239,6 +239,8 @@ class Engine(nn.Module):
                 self._micro_steps += 1
                 if self._micro_steps % self.plan.optimizer.accumulation_steps:
                     return False  # the gradients go on summing
+                if self.chunks is not None:  # a backward that raised left its copies in flight
+                    self.chunks.step_chunks.wait_for_grads()
                 stepped = update(self, self.optimizer)
                 self.zero_grad(set_to_none=True)
                 return stepped

@@ -25,6 +25,19 @@ restored; what failed (B: test_bitwise_against_the_cpu[case], by case):
   second-gradient test of that dtype.
 - GradAccumulator.zero_grad's wait, ChunkManager._begin's and ChunkManager.close's: the
   zero_grad, next-step and close tests after a backward that raised.
+- Engine.step's wait for the gradient copies (StepChunks.wait_for_grads, before the update
+  reads them): test_engine_step_after_a_backward_that_raised_steps_the_gradients_that_arrived.
+- ChunkGroups.reduce_to_owners' StepChunks.wait_for_grads (replicated data parallel, in
+  HybridAdam's step: the first wait for a loop that steps engine.optimizer itself, where
+  engine.step() has waited already): data parallel (replicated, the optimizer's step after a
+  backward that raised on every rank).
+- StepChunks.give_back's wait (a kept chunk given back between steps), and its unpin_all:
+  test_kept_chunk_given_back_right_after_a_backward_that_raised_on_the_cpu_copy_thread, on
+  the plain CPU, where a kept chunk's gradients are copied on the worker thread too. On the
+  simulated device, as on a card, they are added on the current stream, so the copies a
+  backward that raised leaves in flight write only host-tier buffers of chunks not kept,
+  which give_back neither reads nor writes: the simulated test of it fails without the
+  unpin_all only.
 - offload._Handle.take, `current.wait_event`: B[activation offload and its prefetch].
 - ChunkGroups.arrived, the wait for a prefetch's gather (Residency._arrived): data parallel
   (an asynchronous collective's destination reads as poison until its wait:
@@ -42,28 +55,32 @@ Not caught here:
   nothing queued for a side stream to wait for.
 - `record_stream` (offload, copy_after): GPU only; it keeps the caching allocator from reusing
   memory, and the simulated device's queued work holds its tensors alive.
-- StepChunks.wait_for_grads (replicated data parallel), StepChunks.gradients_reduced's wait
-  (sharded) and StepChunks.give_back's wait: backward's end waited already in every test. The
-  sharded gradients are taken at once (nothing is in flight), and kept chunks' gradients never
-  use the copy stream. They matter only for a step right after a backward that raised.
+- StepChunks.gradients_reduced's wait (sharded payloads): nothing is in flight there, on any
+  device. Every gradient goes to GradShards, whose reductions hand the owner's share to
+  GradAccumulator.take with at_once, a copy done before it returns. Data parallel's sharded
+  case steps after a backward that raised with units still staged, which that step reduces.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import pytest
 import torch
-from conftest import example, tiny_gpt, tokens
+from conftest import SEQ, example, tiny_gpt, tokens
+from torch import nn
 
 import fxstar
 from fxstar.dist_launch import spawn
 from fxstar.passes.chunk_layout import nonmodel_peak
 from fxstar.plan import Plan
+from fxstar.runtime import grad_copies
 from fxstar.runtime.arena import PooledBlocks
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.device import using_device
+from fxstar.runtime.grad_copies import GradAccumulator
 from fxstar.runtime.layout import AccessPlan, ChunkLayout, ChunkSpec, ParamSlot
 from fxstar.testing.async_device import SimulatedDevice
 
@@ -128,13 +145,13 @@ def snapshot(engine) -> list[torch.Tensor]:
     return grads + state
 
 
-def train(engine, steps: range, record: list) -> None:
+def train(engine, steps: range, record: list, seq: int = SEQ) -> None:
     """Seeded steps (dropout draws alike); the loss and a snapshot before and after each
     optimizer step into `record`."""
     micro = engine.plan.optimizer.accumulation_steps
     for step in steps:
         for i in range(micro):
-            ids, targets = tokens(seed=step * micro + i)
+            ids, targets = tokens(seed=step * micro + i, seq=seq)
             torch.manual_seed(step * micro + i)
             loss = engine(ids, targets)
             loss.backward()
@@ -241,9 +258,12 @@ def test_checkpoint_save_and_load_while_chunks_are_resident(tmp_path):
 def _data_parallel(rank: int, world: int) -> None:
     for case in ("data parallel sharded", "data parallel replicated"):
         check(case)
+    data_parallel_after_a_raised_backward()
 
 
 def test_data_parallel_world_2():
+    """Both cases as on the CPU; then each with a backward that raised on every rank, and
+    the optimizer's step after it (one spawn: the workers' start is most of the time)."""
     spawn(_data_parallel, 2)
 
 
@@ -293,13 +313,31 @@ def forward(m: ChunkManager, order: list[int]) -> list[torch.Tensor]:
 
 
 class RaiseInBackward(torch.autograd.Function):
+    """The identity, whose backward raises while `armed` (see `raising`)."""
+
+    armed = False
+
     @staticmethod
     def forward(ctx, x):
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        raise RuntimeError("backward raised")
+        if RaiseInBackward.armed:
+            raise RuntimeError("backward raised")
+        return grad
+
+
+@contextlib.contextmanager
+def raising():
+    """Backward raises at RaiseInBackward, and the caller catches it (as a training loop that
+    goes on after a failed backward does)."""
+    RaiseInBackward.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="backward raised"):
+            yield
+    finally:
+        RaiseInBackward.armed = False
 
 
 def grad_of(m: ChunkManager, name: str) -> torch.Tensor:
@@ -324,7 +362,7 @@ def raised_backward(m: ChunkManager) -> None:
     with m.running(AccessPlan([1, 0], ["forward"] * 2, [0] * 2, [1] * 2)):
         w1, w0 = forward(m, [1, 0])
         loss = RaiseInBackward.apply(w1).sum() + (w0 * 2).sum()  # w0's gradient comes first
-        with pytest.raises(RuntimeError, match="backward raised"):
+        with raising():
             loss.backward()
 
 
@@ -357,6 +395,147 @@ def test_close_after_a_backward_that_raised_keeps_the_gradients_that_arrived():
         raised_backward(m)
         m.close()
         assert torch.equal(m.stable["p0"].grad, torch.full((8, 8), 2.0))
+
+
+# -- a whole engine after a backward that raised midway: what backward's end would have waited
+# for is still in flight, and the next thing the user calls must wait. The tiny GPT's backward
+# raises at its last block's input (its Function kept whole through capture); the same
+# sequence on the plain CPU is the reference.
+
+
+class RaisesAtItsInput(nn.Module):
+    """A block whose input's gradient is RaiseInBackward's: armed, backward stops once the
+    head's, the final norm's and this block's gradients are handed over (their copies in
+    flight), before the tied embedding's second gradient and the earlier blocks' come."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(RaiseInBackward.apply(x))
+
+
+def gpt_raising_in_backward() -> nn.Module:
+    model = tiny_gpt()
+    model.h[-1] = RaisesAtItsInput(model.h[-1])
+    return model
+
+
+def after_a_raised_backward(options: dict, device: SimulatedDevice | None, then, *,
+                            steps_around: int = 0, first_seq: int = SEQ) -> dict:  # fmt: skip
+    """`steps_around` steps on batches of `first_seq` tokens, one whose backward raises,
+    `then(engine)`, the parameters and buffers, and `steps_around` steps on full-length
+    batches: the record, and what the run exercised."""
+    record: list = []
+    facts: dict = {}
+    with on(device):
+        engine = fxstar.compile(gpt_raising_in_backward(), Plan(**options),
+                                **example("gpt", *tokens(seq=first_seq)))  # fmt: skip
+        engine.chunks.checking = True
+        train(engine, range(steps_around), record, seq=first_seq)
+        facts["kept"] = list(getattr(engine.optimizer, "device_chunks", ()))
+        ids, targets = tokens(seed=steps_around, seq=first_seq)
+        torch.manual_seed(steps_around)
+        loss = engine(ids, targets)
+        with raising():
+            loss.backward()
+        del loss  # its graph: activations the next step's budget has no room for
+        shards = engine.chunks.grads.shards
+        facts["units staged"] = shards is not None and len(shards.staged) > 0
+        then(engine)
+        record.append([t.detach().clone() for t in engine.state_dict().values()])
+        train(engine, range(steps_around + 1, 2 * steps_around + 1), record)
+        facts["overlapped"] = engine.chunks.grad_copy_overlap() is not None
+        facts["given back"] = list(getattr(engine.optimizer, "given_back", ()))
+        if device is not None:
+            device.synchronize()
+        engine.close()
+    return {"record": record, "facts": facts}
+
+
+def check_after_a_raised_backward(options: dict, then, **steps) -> dict:
+    """Bit for bit as on the CPU; what the simulated run exercised. Copies land 20 ms late:
+    the last of those a raised backward left lands some 300 ms after it, later than a loaded
+    machine takes to reach what reads it."""
+    with late() as device:
+        simulated = after_a_raised_backward(options, device, then, **steps)
+    on_the_cpu = after_a_raised_backward(options, None, then, **steps)
+    assert_bitwise(simulated["record"], on_the_cpu["record"])
+    return simulated["facts"]
+
+
+def test_engine_step_after_a_backward_that_raised_steps_the_gradients_that_arrived():
+    facts = check_after_a_raised_backward(options("overlapped gradient copies"),
+                                          lambda engine: engine.step())  # fmt: skip
+    assert facts["overlapped"]
+
+
+def step_the_optimizer(engine) -> None:
+    """A loop that drives the optimizer itself: HybridAdam reduces to the owners in its step."""
+    engine.optimizer.step()
+    engine.zero_grad()
+
+
+def data_parallel_after_a_raised_backward() -> None:
+    """In test_data_parallel_world_2's workers: every rank's backward raised alike."""
+    sharded = check_after_a_raised_backward(options("data parallel sharded"), step_the_optimizer)
+    assert sharded["units staged"]  # left by the backward that raised: reduced by the step
+    replicated = check_after_a_raised_backward(options("data parallel replicated"),
+                                               step_the_optimizer)  # fmt: skip
+    assert replicated["overlapped"]
+
+
+def given_back(device: SimulatedDevice | None, **options) -> dict:
+    """Chunks kept at a step on 8 tokens; a backward that raised; the next forward, on 16
+    tokens, has room for fewer: one goes back to the host tier before it begins, the copies
+    the raised backward left still in flight."""
+    plan = {"device_memory": budget(1.5), "optimizer": OPT, **options}
+    run = after_a_raised_backward(plan, device, lambda engine: None, steps_around=1,
+                                  first_seq=8)  # fmt: skip
+    facts = run["facts"]
+    assert facts["given back"] and set(facts["given back"]) < set(facts["kept"]), facts
+    return run
+
+
+def test_kept_chunk_given_back_right_after_a_backward_that_raised():
+    with SimulatedDevice(seed=1, **DELAYS) as device:
+        simulated = given_back(device)
+    assert_bitwise(simulated["record"], given_back(None)["record"])
+
+
+def hold_the_copy_thread(monkeypatch) -> None:
+    """On the plain CPU, gradient copies beside backward run on a worker thread: here each
+    lands only when GradAccumulator.wait asks for it (or after 10 s), the latest a correct
+    program allows, so what reads a buffer without that wait reads what it held before."""
+    release = threading.Event()
+    copy, wait = grad_copies.copy_payload, GradAccumulator.wait
+
+    def held_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        release.wait(10)
+        copy(dst, src)
+
+    def releasing_wait(self: GradAccumulator) -> None:
+        release.set()
+        try:
+            wait(self)
+        finally:
+            release.clear()
+
+    monkeypatch.setattr(grad_copies, "copy_payload", held_copy)
+    monkeypatch.setattr(GradAccumulator, "wait", releasing_wait)
+
+
+def test_kept_chunk_given_back_right_after_a_backward_that_raised_on_the_cpu_copy_thread(
+    monkeypatch,
+):
+    """The plain CPU with gradient copies beside backward: a kept chunk's gradients go
+    through the worker thread too (on the simulated device, as on a card, they are added on
+    the current stream), and give_back waits for them."""
+    hold_the_copy_thread(monkeypatch)
+    overlapped = given_back(None, overlap_grad_copies="on")
+    assert overlapped["facts"]["overlapped"]
+    assert_bitwise(overlapped["record"], given_back(None)["record"])
 
 
 # Dynamic partition: on the simulated device, as on a card, chunk blocks are tensors of the
