@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    # at 1e-3 this model trains worse in every state dtype and the formats drift further
+    # apart (docs/results.md has both)
+    parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--adam-size", default="16M", help="elements of the timed Adam step")
     parser.add_argument("--rounds", type=int, default=7, help="paired Adam-step rounds")
