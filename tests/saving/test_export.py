@@ -241,6 +241,9 @@ def measure(directory: str) -> dict[str, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+@pytest.mark.slow  # peak RSS rises swing with the machine's load: two fresh-clone runs beside
+# other jobs saw the checkpoint export at 52 MB (idle: 28-33) and the instrument's own check,
+# a state_dict copy, at 60 of its 96 MiB; run it on a quiet machine (pytest -m slow)
 def test_an_export_holds_one_tensor_beyond_the_model(tmp_path):
     if reset_peak_rss():
         got = measure(str(tmp_path))
