@@ -70,22 +70,21 @@ def adam_step(
     written there, rounded as `param.to(out.dtype)` would; `out` may be `grad` itself (a
     gradient in its parameters' room), which it then overwrites.
     """
-    _C.adam_step(
-        _plain(param),
-        _plain(grad),
-        exp_avg,
-        exp_avg_sq,
+    _run(
+        _C.adam_step,
+        param,
+        grad,
+        (exp_avg, exp_avg_sq),
+        step=step,
         lr=lr,
-        beta1=betas[0],
-        beta2=betas[1],
+        betas=betas,
         eps=eps,
         weight_decay=weight_decay,
-        step=step,
         adamw=adamw,
         grad_scale=grad_scale,
-        out=_plain(out),
-        num_threads=_threads(num_threads, param.numel()),
-        variant=variant or "",
+        out=out,
+        num_threads=num_threads,
+        variant=variant,
     )
 
 
@@ -111,13 +110,47 @@ def adam_step_8bit(
     """`adam_step` with both moments 8-bit blockwise-quantised: uint8 codes of `param`'s
     size and an fp32 absmax per `_C.QUANT_BLOCK` values, the blocks counted from `param`'s
     first element (runtime/moments.py lays them out)."""
-    _C.adam_step_8bit(
+    moments = (exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax)
+    _run(
+        _C.adam_step_8bit,
+        param,
+        grad,
+        moments,
+        step=step,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw=adamw,
+        grad_scale=grad_scale,
+        out=out,
+        num_threads=num_threads,
+        variant=variant,
+    )
+
+
+def _run(
+    kernel,
+    param,
+    grad,
+    moments,
+    *,
+    step,
+    lr,
+    betas,
+    eps,
+    weight_decay,
+    adamw,
+    grad_scale,
+    out,
+    num_threads,
+    variant,
+) -> None:
+    """One call of a C++ Adam kernel: the arguments both formats take, in its names."""
+    kernel(
         _plain(param),
         _plain(grad),
-        exp_avg_codes,
-        exp_avg_absmax,
-        exp_avg_sq_codes,
-        exp_avg_sq_absmax,
+        *moments,
         lr=lr,
         beta1=betas[0],
         beta2=betas[1],
