@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from fxstar.plan import resolve_device
 from fxstar.program import Program
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.data_parallel import ChunkGroups
+from fxstar.runtime.disk_tier import DiskTier
 from fxstar.runtime.host import give_back_freed
 
 if TYPE_CHECKING:
@@ -41,7 +43,8 @@ def setup_chunks(engine: Engine, program: Program) -> list[torch.Tensor]:
         return []
     masters = _fp32_masters(engine)
     placement.check_host_budget(engine.plan, program.decisions.chunk_plan)
-    engine.chunks = chunk_manager(engine, program, engine.store.tensors(), masters)
+    engine.chunks = chunk_manager(engine, program, engine.store.tensors(), masters,
+                                  disk=disk_tier(engine))  # fmt: skip
     if engine.chunks.sharded:
         _gather_in_state_dicts(engine)
     _keep_host_masters(engine, program)
@@ -143,8 +146,11 @@ def chunk_manager(
     program: Program,
     tensors: Mapping[str, torch.Tensor],
     masters: Mapping[str, torch.Tensor] | None = None,
+    *,
+    disk: DiskTier | None = None,
 ) -> ChunkManager:
-    """The manager the program's ChunkPlan decides, with the plan's run-time knobs."""
+    """The manager the program's ChunkPlan decides, with the plan's run-time knobs; `disk`,
+    the engine's disk tier (a verifier's manager has none: its state is short-lived)."""
     plan = engine.plan
     layout = program.decisions.chunk_plan.layout
     groups = None
@@ -158,7 +164,21 @@ def chunk_manager(
         overlap_grad_copies={"on": True, "off": False}.get(plan.overlap_grad_copies),
         prefetch={"on": True, "off": False}.get(plan.prefetch),
         grads_in_host=plan.grads_in_host, data_parallel=groups,
+        disk=disk, masters_on_disk=plan.disk is not None and plan.disk.masters,
     )  # fmt: skip
+
+
+def disk_tier(engine: Engine) -> DiskTier | None:
+    """The plan's disk tier, in the rank's own subdirectory when there are several ranks
+    (each keeps its own chunks' state, and one directory belongs to one engine): taken here,
+    so a second engine on the directory is refused at its compile."""
+    disk = engine.plan.disk
+    if disk is None:
+        return None
+    directory = Path(disk.path)
+    if engine.topology.world > 1:
+        directory = directory / f"rank{torch.distributed.get_rank()}"
+    return DiskTier(directory, keep=disk.keep, depth=disk.depth)
 
 
 def _drop_parameter_storage(model: nn.Module) -> None:

@@ -53,7 +53,6 @@ from fxstar.program import EXPORT, Program
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.layout import ChunkPlan
 from fxstar.runtime.loss_scale import LossScaler
-from fxstar.runtime.optim import HybridAdam
 from fxstar.runtime.step_check import begin_forward
 from fxstar.step_lock import StepLock, whole_state
 from fxstar.topology import Topology
@@ -435,15 +434,14 @@ class Engine(nn.Module):
 
     def close(self) -> None:
         """Release now what the engine holds: threads (memory monitor, gradient copies), the
-        arena, host chunks and optimizer state. The model keeps its current values (its
-        parameters get storage of their own) and can be compiled again. Dropping the last
-        reference to an engine frees the same, later."""
+        arena, host chunks, optimizer state and the disk tier's files. The model keeps its
+        current values (its parameters get storage of their own, or, with the fp32 masters on
+        the disk tier, keep mapping their removed files) and can be compiled again. Dropping
+        the last reference to an engine frees the same, later."""
         with self.step_lock:  # not while a forward or step runs
             if self._closed:
                 return
-            if isinstance(self._optimizer, HybridAdam):  # its disk tier's files
-                self._optimizer.close()
-            if self.chunks is not None:
+            if self.chunks is not None:  # and its disk tier's files
                 self.chunks.close()
             self.topology.release()
             self._closed = True
@@ -506,8 +504,6 @@ def compile(  # noqa: A001 - fxstar.compile mirrors torch.compile
                         weights=weights)  # fmt: skip
         if example_inputs or example_kwargs:
             engine.prepare(*example_inputs, **dict(example_kwargs or {}))
-            if plan.disk is not None:  # its directory taken now: a second engine fails here
-                engine.optimizer  # noqa: B018
     except BaseException:
         if engine is not None:
             engine.close()

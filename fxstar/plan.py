@@ -558,8 +558,8 @@ class TiledLinearConfig(_Group):
 @dataclass(frozen=True)
 class DiskConfig(_Group):
     """The disk tier (DeepSpeed ZeRO-Infinity's NVMe offload of optimizer state): the Adam
-    moments of the chunks kept on the host live in files under `path`, streamed through host
-    memory a few chunks at a time during each step."""
+    moments of the chunks kept on the host, and (bf16/fp16) their fp32 masters, live in files
+    under `path`, streamed through host memory a few chunks at a time during each step."""
 
     _prefix: ClassVar[str] = "disk"
 
@@ -577,6 +577,13 @@ class DiskConfig(_Group):
         3, check=_integer(2, 64),
         doc="Chunks whose moments are in host memory at once during a step: the one updated, "
         "the next being read and the last being written.",
+    )  # fmt: skip
+    masters: bool = _option(
+        True, check=_boolean,
+        doc="bf16/fp16: the chunks' fp32 masters on the disk tier too (4 bytes per parameter "
+        "off the host); the stable parameters are then mapped views of their files, read in "
+        "when touched. False keeps them on the host (a step under gradient accumulation reads "
+        "them in each forward after the first).",
     )  # fmt: skip
 
 

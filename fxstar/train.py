@@ -293,10 +293,13 @@ def _on_terminal(stream) -> bool:
 
 
 def finish(engine, result: TrainResult, timeline: str | None) -> None:
+    """The run's report and timeline; then the engine is closed: its threads stop and a disk
+    tier's files go now, not whenever the engine is collected."""
     result.report = engine.report()
     print(result.report)
     if timeline:
         print(f"memory timeline: {engine.memory_timeline(timeline)}")
+    engine.close()
 
 
 def write_json(

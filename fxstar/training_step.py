@@ -8,7 +8,6 @@ clipping done here. Both clip by `runtime/grad_norm.py`'s rule and norm.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +15,6 @@ import torch
 from fxstar import placement
 from fxstar.params import ParameterStore
 from fxstar.plan import PlanError
-from fxstar.runtime.disk_tier import DiskTier
 from fxstar.runtime.grad_norm import GradNorm
 from fxstar.runtime.optim import HybridAdam
 
@@ -44,7 +42,7 @@ def make_optimizer(engine: Engine) -> torch.optim.Optimizer:
             accumulation_steps=opt.accumulation_steps,
             host_budget=placement.HostBudget(plan, engine.program),
             data_parallel=chunks.data_parallel, state_dtype=opt.state_dtype,
-            disk=_disk_tier(engine),
+            disk=chunks.disk,
         )  # fmt: skip
     if chunks is not None and chunks.low_precision:
         raise PlanError(
@@ -52,18 +50,6 @@ def make_optimizer(engine: Engine) -> torch.optim.Optimizer:
             "use 'adam' or 'adamw' (HybridAdam), or precision 'fp32'"
         )
     return _torch_optimizer(groups, opt)
-
-
-def _disk_tier(engine: Engine) -> DiskTier | None:
-    """The plan's disk tier, in the rank's own subdirectory when there are several ranks
-    (each keeps its own chunks' state, and one directory belongs to one engine)."""
-    disk = engine.plan.disk
-    if disk is None:
-        return None
-    directory = Path(disk.path)
-    if engine.topology.world > 1:
-        directory = directory / f"rank{torch.distributed.get_rank()}"
-    return DiskTier(directory, keep=disk.keep, depth=disk.depth)
 
 
 def update(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HOME_MOVES",
     "LEGAL",
+    "MASTER_PART",
     "RESIDENT",
     "ROOMS",
     "Chunk",
@@ -63,6 +64,10 @@ LEGAL: dict[ChunkState, set[ChunkState]] = {
     S.HOLD_AFTER_BWD: {S.COMPUTE, S.RELEASED},
 }
 RESIDENT = {S.COMPUTE, S.HOLD, S.HOLD_AFTER_FWD, S.HOLD_AFTER_BWD}
+
+# a chunk's fp32 master as a part of the disk tier (plan.disk.masters): the Home's `master`
+# is then a mapped view of its file
+MASTER_PART = "master"
 
 # the tiers a home may move between, by Tier.name (a disk tier adds its own)
 HOME_MOVES: dict[str, set[str]] = {"host": {"compute"}, "compute": {"host"}}

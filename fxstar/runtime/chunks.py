@@ -32,13 +32,13 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
 from fxstar.runtime.arena import ArenaBuffer, PooledBlocks
-from fxstar.runtime.chunk import Chunk, ChunkBudgetError, ChunkState, Home
+from fxstar.runtime.chunk import MASTER_PART, Chunk, ChunkBudgetError, ChunkState, Home
 from fxstar.runtime.chunk_stats import ChunkStats
 from fxstar.runtime.data_parallel import ChunkGroups
 from fxstar.runtime.device import Device, device_for
@@ -59,6 +59,9 @@ from fxstar.runtime.saved_tensors import Handle, SavedTensors
 from fxstar.runtime.step_chunks import StepChunks
 from fxstar.runtime.tiers import ComputeTier, HostTier
 from fxstar.runtime.tracer import MemoryTracer
+
+if TYPE_CHECKING:
+    from fxstar.runtime.disk_tier import DiskTier
 
 __all__ = [
     "Chunk",
@@ -113,8 +116,15 @@ class ChunkManager:
         data_parallel: ChunkGroups | None = None,
         load_unit: int = 1,
         staging: int = 0,
+        disk: DiskTier | None = None,
+        masters_on_disk: bool = False,
     ):
         self.layout = layout
+        # the disk tier (plan.disk): HybridAdam's moments, and with `masters_on_disk` the
+        # fp32 masters, which the stable parameters then view through its mappings
+        self.disk = disk
+        self.masters_on_disk = (disk is not None and masters_on_disk
+                                and layout.dtype != torch.float32)  # fmt: skip
         self.data_parallel = data_parallel  # chunk owners and their collectives, or None
         # the streams, events and host buffers of every asynchronous copy (a torch device is
         # taken to its Device: runtime.device.using_device chooses another, as tests do)
@@ -174,12 +184,15 @@ class ChunkManager:
         if self.sharded:  # the owners take rank 0's values
             data_parallel.start_sharded(self.chunks, masters or params)
             self.masters_written()
+        if self.masters_on_disk:  # what setup wrote is in the files: the host lets go
+            self.disk.unmap_pages()
         self.monitor = MemoryMonitor(_weak_call(self._sample)).start() if monitor else None
         self.closed = False
 
     def close(self) -> None:
-        """Stop the threads (monitor, gradient copies) and let go of the arena. The stable
-        parameters get storage of their own first, so whoever holds them keeps the values."""
+        """Stop the threads (monitor, gradient copies), let go of the arena and close the disk
+        tier. The stable parameters get storage of their own first (or keep the mappings of
+        their masters' files), so whoever holds them keeps the values."""
         if self.closed:
             return
         self.grads.wait()
@@ -188,11 +201,16 @@ class ChunkManager:
         self.grads.shutdown()
         with torch.no_grad():
             for name, stable in self.stable.items():
-                stable.data = stable.data.clone()
-                self.homes[name] = stable.data
+                # a master on the disk tier is a mapping, which outlives its file's name: the
+                # values stay readable without a copy the host may not have room for
+                if not self.masters_on_disk:
+                    stable.data = stable.data.clone()
+                    self.homes[name] = stable.data
                 if stable.grad is not None:
                     stable.grad = stable.grad.clone()
         self.residency.close()
+        if self.disk is not None:  # its files go unless the plan keeps them
+            self.disk.close()
         self.closed = True
 
     # -- what the collaborators hold, read and set here -----------------------------------------
@@ -230,7 +248,7 @@ class ChunkManager:
         size = parts[-1].stop if parts else 0
         host = self.host_tier.empty(size, lay.dtype)
         master = None
-        if self.low_precision:
+        if self.low_precision and not self.masters_on_disk:
             master = self.host_tier.empty(size, torch.float32, payload=False)
         trainable = [c.id for c in lay.chunks if c.trainable and c.id not in remote]
         if self.grads_in_host:
@@ -245,15 +263,16 @@ class ChunkManager:
                 self.host_tier,
                 host[part],
                 grad_of.get(spec.id),
-                master[part] if master is not None and not far else None,
+                None if far or not self.low_precision
+                else master[part] if master is not None else self._disk_master(spec.id, part),
                 grad_in_payload=self.grads_in_host and spec.trainable and not far,
-            )
+            )  # fmt: skip
             chunk = Chunk(spec.id, spec.params, home, spec.used, remote=far)
             home = chunk.fp32_home
             for slot in spec.params:
                 if far:
-                    view = torch.empty(slot.shape, dtype=home.dtype if master is None
-                                       else torch.float32, device="meta")  # fmt: skip
+                    view = torch.empty(slot.shape, dtype=torch.float32 if self.low_precision
+                                       else home.dtype, device="meta")  # fmt: skip
                 else:
                     view = home[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 if not far and not masters[slot.name].is_meta:
@@ -263,9 +282,16 @@ class ChunkManager:
                 self.homes[slot.name] = view
             chunk.homed()
             chunks.append(chunk)
-        for chunk in chunks:
             chunk.sync_host(stable)
+            if self.masters_on_disk:  # its master's pages are in the file: the host lets go
+                self.disk.unmap_pages(spec.id)
         return chunks, stable
+
+    def _disk_master(self, chunk_id: int, part: slice) -> torch.Tensor:
+        """A chunk's fp32 master in a file of the disk tier, mapped: zeros until written."""
+        numel = part.stop - part.start
+        self.disk.add(chunk_id, MASTER_PART, numel * 4)
+        return self.disk.map(chunk_id, MASTER_PART).view(torch.float32)
 
     def _grad_buffers(self, chunk_ids: list[int]) -> dict[int, torch.Tensor]:
         """Gradient buffers of their own for these chunks, packed in one host allocation."""

@@ -14,12 +14,22 @@ lock, and the directory if the tier created it, unless `keep=True`; a file it di
 is never touched. A part's file is sized and its blocks reserved when the part is added, so a
 full disk shows at setup; an I/O error later is a DiskIOError naming the file, raised by the
 wait that needed the bytes.
+
+A part may also be mapped (`map`): a tensor over the file's pages (mmap, shared), for values
+that something must be able to read or write at any moment without a step asking for them:
+the fp32 masters, which the engine's stable parameters view. The kernel reads a page in when
+it is touched and keeps the file and the mapping coherent with the stream's requests (a direct
+read writes dirty pages back first, a direct write invalidates the cached ones); `unmap_pages`
+gives the pages touched back, so the host holds only what was read since. What a mapping
+cannot do is name an error: a failing disk under a touched page is the kernel's SIGBUS, so
+`check_mapped` compares each mapped file's size with its part's before the engine touches them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import mmap
 import os
 import time
 import weakref
@@ -30,8 +40,9 @@ from typing import ClassVar
 
 import torch
 
-from fxstar.errors import FxstarError
+from fxstar.errors import DiskIOError, FxstarError
 from fxstar.runtime.disk_io import DiskFile, DiskIO, DiskIORequest, aligned_buffer, aligned_size
+from fxstar.runtime.host import release_pages
 from fxstar.runtime.tiers import Tier
 
 __all__ = ["DiskTier", "DiskTierError", "DiskTierStats"]
@@ -90,10 +101,12 @@ class DiskTier(Tier):
         self.io = DiskIO(threads)
         self.files: dict[tuple[Hashable, str], DiskFile] = {}
         self.sizes: dict[tuple[Hashable, str], int] = {}  # bytes the caller stores in each
+        self.mapped: dict[tuple[Hashable, str], torch.Tensor] = {}  # map(): the file's pages
         self.stats = DiskTierStats()
         # what close() does, also when the tier is dropped unclosed (at collection or exit)
-        self._release = weakref.finalize(self, _release, self.io, self.files, self.directory,
-                                         self._lock_fd, keep, self.created_directory)  # fmt: skip
+        self._release = weakref.finalize(self, _release, self.io, self.files, self.mapped,
+                                         self.directory, self._lock_fd, keep,
+                                         self.created_directory)  # fmt: skip
 
     def _lock(self) -> int:
         path = self.directory / LOCK_NAME
@@ -128,6 +141,54 @@ class DiskTier(Tier):
             os.truncate(path, 0)
         self.files[key] = DiskFile(str(path), aligned_size(nbytes), direct=self.direct)
         self.sizes[key] = nbytes
+
+    def has(self, item: Hashable, part: str) -> bool:
+        return (item, part) in self.files
+
+    def map(self, item: Hashable, part: str) -> torch.Tensor:
+        """The part's bytes as a uint8 tensor over its file's pages (see the module): writes
+        reach the file, reads see what the stream wrote. The mapping lives as long as the
+        tensor (and its views); `close` removes the file, not the pages a view still maps."""
+        self._check_open()
+        key = (item, part)
+        if key not in self.files:
+            raise KeyError(f"disk tier: no part {part!r} of {item!r}")
+        if key not in self.mapped:
+            nbytes = self.sizes[key]
+            if nbytes == 0:
+                self.mapped[key] = torch.empty(0, dtype=torch.uint8)
+            else:
+                fd = os.open(self.path_of(item, part), os.O_RDWR)
+                try:
+                    pages = mmap.mmap(fd, aligned_size(nbytes))  # shared, read and write
+                finally:
+                    os.close(fd)
+                self.mapped[key] = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes)
+        return self.mapped[key]
+
+    def unmap_pages(self, item: Hashable | None = None) -> int:
+        """Give back the mapped pages touched since (written ones stay in the file), of every
+        mapped part or `item`'s: the host holds none until they are touched again. Returns
+        the bytes given."""
+        return sum(release_pages(t) for key, t in self.mapped.items()
+                   if item is None or key[0] == item)  # fmt: skip
+
+    def check_mapped(self) -> None:
+        """A DiskIOError naming a mapped part's file that is shorter than the part: touching
+        the missing pages would end the process (SIGBUS), so it is said before they are."""
+        for key, t in self.mapped.items():
+            path = self.path_of(*key)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                continue  # unlinked, still open and mapped: the pages are all there
+            if size < t.nbytes:
+                raise DiskIOError(
+                    f"disk tier: {path} holds {size:,} bytes, its part {key[1]!r} of {key[0]!r} "
+                    f"{t.nbytes:,}: the file was cut short outside the engine",
+                    operation="read", path=str(path), offset=0, nbytes=t.nbytes,
+                    failed_at=size, errno=None, strerror="file shorter than its part",
+                )  # fmt: skip
 
     def bytes_on_disk(self) -> int:
         return sum(f.size for f in self.files.values())
@@ -273,9 +334,11 @@ class DiskTier(Tier):
         )
 
 
-def _release(io: DiskIO, files: dict, directory: Path, lock_fd: int, keep: bool,
+def _release(io: DiskIO, files: dict, mapped: dict, directory: Path, lock_fd: int, keep: bool,
              created: bool) -> None:  # fmt: skip
-    """DiskTier.close (see it); `files` as the tier holds them."""
+    """DiskTier.close (see it); `files` and `mapped` as the tier holds them (a mapping lives on
+    in the tensors viewing it)."""
+    mapped.clear()
     try:
         io.close()
     finally:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from fxstar.runtime import cpu_adam
-from fxstar.runtime.chunk import Chunk, ChunkBudgetError
+from fxstar.runtime.chunk import MASTER_PART, Chunk, ChunkBudgetError
 from fxstar.runtime.grad_norm import GradNorm, clip_coefficient
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
@@ -181,33 +181,41 @@ class HybridAdam(torch.optim.Optimizer):
                     state.pop(key, None)
 
     @contextlib.contextmanager
-    def _streamed(self, chunk_ids: list[int]) -> Iterator[Callable[[Chunk], None]]:
-        """Around a step's updates: `attach(chunk)` before a run of a disk-homed chunk gives
-        its state the moments, streamed in the order the runs visit the chunks (the next
-        one read and the last written back while this one is updated: DiskTier.stream)."""
+    def _streamed(self, chunk_ids: list[int]) -> Iterator[Callable[[Chunk], torch.Tensor]]:
+        """Around a step's updates: `attach(chunk)` before a run returns the fp32 parameters
+        the run updates, the chunk's `fp32_home`, or for a disk-homed chunk its master in the
+        stream's host slot (its file is written back from there, and the stable parameters'
+        mappings read it then). A disk-homed chunk's state gets its moments the same way,
+        streamed in the order the runs visit the chunks (the next one read and the last
+        written back while this one is updated: DiskTier.stream)."""
         on_disk = set(self.on_disk)
         order = [c for c in dict.fromkeys(chunk_ids) if c in on_disk]
         if not order:
-            yield lambda chunk: None
+            yield lambda chunk: chunk.fp32_home
             return
-        stream = self.disk.stream(order, [MOMENTS])
-        current: list[Chunk] = []
+        masters = self.disk.has(order[0], MASTER_PART)  # all of them or none (plan.disk.masters)
+        stream = self.disk.stream(order, [MOMENTS, MASTER_PART] if masters else [MOMENTS])
+        current: list[tuple[Chunk, torch.Tensor]] = []
 
-        def attach(chunk: Chunk) -> None:
-            if chunk.id not in on_disk or (current and current[-1] is chunk):
-                return
+        def attach(chunk: Chunk) -> torch.Tensor:
+            if chunk.id not in on_disk:
+                return chunk.fp32_home
+            if current and current[-1][0] is chunk:
+                return current[-1][1]
             if current:
-                self._detach(current[-1])
+                self._detach(current[-1][0])
             item, parts = next(stream)
             assert item == chunk.id, (item, chunk.id)  # the runs visit chunks in `order`
             self._attach(chunk, parts[MOMENTS])
-            current.append(chunk)
+            home = parts[MASTER_PART].view(torch.float32) if masters else chunk.fp32_home
+            current.append((chunk, home[: chunk.used]))
+            return current[-1][1]
 
         try:
             yield attach
         finally:
             if current:
-                self._detach(current[-1])
+                self._detach(current[-1][0])
             stream.close()  # the last chunk written back, every request waited for
 
     @contextlib.contextmanager
@@ -338,6 +346,8 @@ class HybridAdam(torch.optim.Optimizer):
             else:
                 groups.reduce_to_owners(self.chunks)
             groups.average(self._loose_grads())
+        if self.disk is not None:  # a file cut short is named before its mapping is touched
+            self.disk.check_mapped()
         if self.hybrid and not self._placed:  # the traced forward and backward measured it
             self._place()
             if self.host_budget is not None and self._placed:
@@ -375,10 +385,12 @@ class HybridAdam(torch.optim.Optimizer):
             groups.updated(self.chunks)
         elif groups is not None:  # the owners' updates to every replica
             groups.share_updates(self.chunks)
+        if self.disk is not None:  # the masters' pages read or written since (the forwards
+            self.disk.unmap_pages()  # of an accumulation, a replica's update) back to the host
         return True
 
     def _update(self, runs: list, grads: list[torch.Tensor], grad_scale: float,
-                attach: Callable[[Chunk], None]) -> set[int]:  # fmt: skip
+                attach: Callable[[Chunk], torch.Tensor]) -> set[int]:  # fmt: skip
         """Every run's update; the chunks touched."""
         touched = set()
         for (params, group, span, _), grad in zip(runs, grads, strict=True):
@@ -394,7 +406,7 @@ class HybridAdam(torch.optim.Optimizer):
                 continue
             slot = self._slots[id(params[0])]
             chunk = self.chunks.chunk(slot.chunk)
-            attach(chunk)
+            fp32 = attach(chunk)
             first = self.state[params[0]]
             for p in params:
                 self.state[p]["step"] += 1
@@ -405,7 +417,7 @@ class HybridAdam(torch.optim.Optimizer):
                 self._device_step(chunk, span, grad, moments, first["step"], group, grad_scale)
             else:
                 self.moments.step(
-                    chunk.fp32_home[span], grad.reshape(-1), moments, step=step,
+                    fp32[span], grad.reshape(-1), moments, step=step,
                     lr=group["lr"], betas=group["betas"], eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
                     out=_payload_out(chunk, span),
@@ -667,11 +679,6 @@ class HybridAdam(torch.optim.Optimizer):
             line += (f"\nmoments on the disk tier: chunks {sorted(self.on_disk)}{kept}\n"
                      + self.disk.describe())  # fmt: skip
         return line
-
-    def close(self) -> None:
-        """Release the disk tier (its files go unless the plan keeps them)."""
-        if self.disk is not None:
-            self.disk.close()
 
 
 def _moments_apart(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dict]]:
