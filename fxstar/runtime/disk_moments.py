@@ -41,27 +41,28 @@ class DiskMoments:
         numels = [s.numel for s in chunk.slots]
         layout = torch.empty(self.moments.nbytes(chunk.used, numels), dtype=torch.uint8,
                              device="meta")  # fmt: skip
+        views = self.moments.views(layout, chunk.used, chunk.slots)  # meta: shapes and dtypes
         return [{key: DeferredTensor(tuple(t.shape), t.dtype, self, chunk.id, (index, key))
-                 for key, t in views.items()}
-                for index, views in enumerate(self.moments.views(layout, chunk.used,
-                                                                 chunk.slots))]  # fmt: skip
+                 for key, t in slot.items()} for index, slot in enumerate(views)]  # fmt: skip
 
     def read(self, groups: Sequence[Hashable]
              ) -> Iterator[tuple[Hashable, dict[Hashable, torch.Tensor]]]:  # fmt: skip
         """Each chunk of `groups` with its moments by (slot index, key): the DeferredSource of
         `deferred`'s tensors."""
-        for chunk, views in self._one_by_one(groups, write_back=False):
-            yield chunk.id, {(index, key): t for index, slot in enumerate(views)
-                             for key, t in slot.items()}  # fmt: skip
-            del views
+        with contextlib.closing(self._one_by_one(groups, write_back=False)) as each:
+            for chunk, views in each:
+                yield chunk.id, {(index, key): t for index, slot in enumerate(views)
+                                 for key, t in slot.items()}  # fmt: skip
+                del views
 
     def rewrite(self, chunk_ids: Sequence[int],
                 change: Callable[[Chunk, SlotMoments], None]) -> None:  # fmt: skip
         """`change(chunk, moments)` on each chunk's moments, written back before the next
         chunk is read."""
-        for chunk, views in self._one_by_one(chunk_ids, write_back=True):
-            change(chunk, views)
-            del views
+        with contextlib.closing(self._one_by_one(chunk_ids, write_back=True)) as each:
+            for chunk, views in each:
+                change(chunk, views)
+                del views
 
     def _one_by_one(self, chunk_ids: Sequence[Hashable], *, write_back: bool
                     ) -> Iterator[tuple[Chunk, SlotMoments]]:  # fmt: skip
