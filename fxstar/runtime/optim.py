@@ -39,6 +39,8 @@ import torch
 
 from fxstar.runtime import cpu_adam
 from fxstar.runtime.chunk import MASTER_PART, Chunk, ChunkBudgetError
+from fxstar.runtime.deferred import DeferredTensor, read_values
+from fxstar.runtime.disk_moments import DiskMoments
 from fxstar.runtime.grad_norm import GradNorm, clip_coefficient
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
@@ -217,25 +219,6 @@ class HybridAdam(torch.optim.Optimizer):
             if current:
                 self._detach(current[-1][0])
             stream.close()  # the last chunk written back, every request waited for
-
-    @contextlib.contextmanager
-    def _every_disk_moment(self, *, write: bool) -> Iterator[None]:
-        """Every disk-homed chunk's moments in host buffers of their own, attached to the
-        state (a checkpoint's save reads them; `write`: a load's values go back to disk)."""
-        buffers = {}
-        for chunk_id in self.on_disk:
-            chunk = self.chunks.chunk(chunk_id)
-            buffer = host_empty(self._moment_bytes(chunk), zero=False)
-            buffers[chunk_id] = self.disk.read(chunk_id, MOMENTS, buffer)
-            self._attach(chunk, buffer)
-        try:
-            yield
-            if write:
-                for chunk_id, buffer in buffers.items():
-                    self.disk.write(chunk_id, MOMENTS, buffer)
-        finally:
-            for chunk_id in buffers:
-                self._detach(self.chunks.chunk(chunk_id))
 
     def _set_moments(self, chunk, views: list[dict[str, torch.Tensor]]) -> None:
         """Fresh state of the chunk's parameters, their moments these views of a chunk-long
@@ -588,15 +571,42 @@ class HybridAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Torch's, plus which chunks are kept on the compute tier: a resumed run updates
         each chunk with the same kernel as the run it continues (bitwise resumption). The
-        disk tier's moments are read into memory for it."""
-        with self._every_disk_moment(write=False):
-            state = super().state_dict()
-            # torch packs the state's own dicts, which the disk tier's detach empties
-            state["state"] = {index: dict(entry) for index, entry in state["state"].items()}
+        disk tier's moments are read into tensors of their own, a chunk at a time."""
+        state = self.deferred_state_dict()
+        entries = state["state"]
+        places = [(index, key) for index, entry in entries.items()
+                  for key, value in entry.items() if isinstance(value, DeferredTensor)]  # fmt: skip
+        values = read_values([entries[index][key] for index, key in places])
+        for (index, key), value in zip(places, values, strict=True):
+            entries[index][key] = value
+        return state
+
+    def deferred_state_dict(self) -> dict[str, Any]:
+        """`state_dict()` with the disk tier's moments as DeferredTensors, read a chunk at a
+        time when they are written (runtime/deferred.py): what a checkpoint's save writes
+        without holding them all in memory."""
+        state = super().state_dict()
+        # torch packs the state's own dicts: copies take the disk tier's moments
+        state["state"] = {index: dict(entry) for index, entry in state["state"].items()}
+        if self.on_disk:
+            index_of: dict[int, int] = {}
+            for param in (p for g in self.param_groups for p in g["params"]):
+                index_of.setdefault(id(param), len(index_of))  # torch's numbering
+            disk = self._disk_moments()
+            for chunk in disk.chunks.values():
+                for slot, moments in zip(chunk.slots, disk.deferred(chunk), strict=True):
+                    entry = state["state"].get(index_of.get(id(self.chunks.param(slot))))
+                    if entry is not None:
+                        entry.update(moments)
         state["fxstar_device_chunks"] = list(self.device_chunks) if self._placed else None
         groups = self.data_parallel  # chunk ids name chunks of a layout of this size
         state["fxstar_data_parallel"] = groups.size if groups is not None else 1
         return state
+
+    def _disk_moments(self) -> DiskMoments:
+        """The disk-homed chunks' moments, a chunk at a time (checkpoints)."""
+        return DiskMoments(self.disk, MOMENTS, self.moments,
+                           [self.chunks.chunk(c) for c in self.on_disk])  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's loading replaces state tensors; copy the values into the chunks instead."""
@@ -616,8 +626,7 @@ class HybridAdam(torch.optim.Optimizer):
             else:  # each rank its own
                 self._keep([c for c in device_chunks if self.chunks.owns(c)])
         self._host_moments()  # the chunk-long moments the loaded values go into
-        with self._every_disk_moment(write=True):  # the disk tier's in memory, written back
-            self._load_moments(state_dict)
+        self._load_moments(state_dict)
 
     def _load_moments(self, state_dict: dict[str, Any]) -> None:
         views = {id(p): dict(s) for p, s in self.state.items()}
@@ -628,6 +637,7 @@ class HybridAdam(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         moments_of = {id(p): saved[i] for i, p in zip(ids, params, strict=False) if i in saved}
         super().load_state_dict(state_dict)
+        on_disk = set(self.on_disk)
         for param in list(self.state):
             loaded, chunked = self.state[param], views.get(id(param))
             if chunked is None and id(param) in self._in_chunks:
@@ -636,9 +646,26 @@ class HybridAdam(torch.optim.Optimizer):
             if chunked is None:
                 loaded.update(moments_of.get(id(param), {}))
                 continue
-            self.moments.load(chunked, moments_of.get(id(param), {}))
+            slot = self._slots.get(id(param))  # None: a parameter outside the chunks
+            if slot is None or slot.chunk not in on_disk:  # the disk tier's: below
+                self.moments.load(chunked, moments_of.get(id(param), {}))
             chunked["step"] = torch.as_tensor(loaded["step"], dtype=torch.float32).clone()
             self.state[param] = chunked
+        if on_disk:
+            self._load_disk_moments(moments_of)
+
+    def _load_disk_moments(self, moments_of: dict[int, dict[str, Any]]) -> None:
+        """The saved moments of the disk-homed chunks' parameters (by id(param)) into their
+        parts, a chunk at a time."""
+        loaded = {id(p) for p in self.state}
+
+        def load(chunk: Chunk, views: list[dict[str, torch.Tensor]]) -> None:
+            for slot, moments in zip(chunk.slots, views, strict=True):
+                param = self.chunks.param(slot)
+                if id(param) in loaded and id(param) in self._slots:
+                    self.moments.load(moments, moments_of.get(id(param), {}))
+
+        self._disk_moments().rewrite(self.on_disk, load)
 
     def state_bytes(self) -> dict[str, tuple[int, int]]:
         """Per tier ('host', 'compute'): the bytes of both moments of this rank's parameters

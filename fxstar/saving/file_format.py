@@ -18,6 +18,7 @@ training state) and, data parallel with sharded payloads, `model.rank<r>.safeten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
 from collections.abc import Mapping
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxstar.weights import write_safetensors
+from fxstar.runtime.deferred import DeferredTensor, in_groups
+from fxstar.weights import write_safetensors_streamed
 
 if TYPE_CHECKING:
     from fxstar.saving.view import TrainingView
@@ -83,11 +85,15 @@ def json_crc(data: Any) -> str:
     return f"{zlib.crc32(text.encode()):08x}"
 
 
-def write_tensors(directory: Path, name: str, content: Mapping[str, torch.Tensor],
+def write_tensors(directory: Path, name: str,
+                  content: Mapping[str, torch.Tensor | DeferredTensor],
                   metadata: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
-    """Write one safetensors file of a checkpoint (tensor by tensor); its record for
-    training.json (size and checksums)."""
-    crcs = write_safetensors(directory / name, content, metadata)
+    """Write one safetensors file of a checkpoint (tensor by tensor; deferred tensors read a
+    group at a time as they are reached); its record for training.json (size and
+    checksums)."""
+    layout, pairs = in_groups(content)
+    with contextlib.closing(pairs):
+        crcs = write_safetensors_streamed(directory / name, layout, pairs, metadata)
     return {**record(directory / name), "tensors": {k: f"{crc:08x}" for k, crc in crcs.items()}}
 
 

@@ -1,7 +1,8 @@
 """A training state as training.json holds it: a JSON skeleton with {"__tensor__": key} where
 each tensor was, the tensors by key in a safetensors file beside it. Dicts with keys other
 than plain strings (torch's optimizer state is keyed by int) and tuples are marked so they
-come back as they were."""
+come back as they were. A deferred tensor (runtime/deferred.py) stays one, for the writer to
+read."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import numpy as np
 import torch
 
 from fxstar.errors import CheckpointError
+from fxstar.runtime.deferred import DeferredTensor
 
 
-def to_json(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+def to_json(obj: Any) -> tuple[Any, dict[str, torch.Tensor | DeferredTensor]]:
     """A JSON-able skeleton of `obj` and its tensors by key (the path where each was found)."""
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | DeferredTensor] = {}
 
     def walk(x: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor | DeferredTensor):
             key = "/".join(path)
-            tensors[key] = x.detach().cpu().contiguous()
+            tensors[key] = x if isinstance(x, DeferredTensor) else x.detach().cpu().contiguous()
             return {"__tensor__": key}
         if isinstance(x, Mapping):
             if all(isinstance(k, str) for k in x) and not any(k.startswith("__") for k in x):

@@ -16,6 +16,7 @@ from typing import Any
 
 from fxstar.checkpoint_values import check_fits
 from fxstar.errors import CheckpointError
+from fxstar.runtime.optim import HybridAdam
 from fxstar.saving.file_format import STATE
 from fxstar.saving.rng import check_stream, rng_state, set_rng_state, set_stream_state, stream_state
 from fxstar.saving.view import TrainingView
@@ -23,15 +24,20 @@ from fxstar.saving.view import TrainingView
 RESERVED = ("step", "rng", "optimizer", "optimizer_params")  # keys no saved-along object takes
 
 
-def training_state(view: TrainingView) -> dict[str, Any]:
-    """Everything besides the parameters that a resumed run needs (tensors still in place)."""
+def training_state(view: TrainingView, *, deferred: bool = False) -> dict[str, Any]:
+    """Everything besides the parameters that a resumed run needs (tensors still in place).
+    `deferred`: the optimizer's state below host memory (HybridAdam's disk tier) stays
+    DeferredTensors, read a chunk at a time by the writer of this process's file."""
+    optimizer = view.optimizer
     state: dict[str, Any] = {
         "step": {
             "micro_steps": view.step_count,
             "optimizer_steps": view.step_count // view.accumulation_steps,
         },
         "rng": {**rng_state(), **stream_state(view.rank_stream)},
-        "optimizer": view.optimizer.state_dict(),
+        "optimizer": optimizer.deferred_state_dict()
+        if deferred and isinstance(optimizer, HybridAdam)
+        else optimizer.state_dict(),
         "optimizer_params": _optimizer_names(view),
     }
     for name, obj in view.objects.items():

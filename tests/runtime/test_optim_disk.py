@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ import fxstar
 from fxstar.dist_launch import spawn
 from fxstar.errors import DiskIOError
 from fxstar.plan import Plan, PlanError
+from fxstar.runtime import disk_tier, optim
+from fxstar.runtime.disk_io import aligned_size
 from fxstar.runtime.disk_tier import DiskTierError
 
 OPT = {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1, "clip_grad_norm": 0.5}
@@ -256,3 +259,120 @@ def test_data_parallel_each_rank_keeps_its_own_chunks_state(precision, tmp_path)
     assert not set(results[0]["disk"]["owned"]) & set(results[1]["disk"]["owned"])
     with contextlib.suppress(FileNotFoundError):
         assert not any((tmp_path / "state").iterdir())
+
+
+class MomentBuffers:
+    """The most bytes of moment buffers alive at once while it is entered: every host buffer
+    the disk tier (its reads, writes and stream slots) and HybridAdam allocate, each counted
+    until its memory is freed (its storage, which views keep alive)."""
+
+    SITES = ((disk_tier, "aligned_buffer"), (optim, "host_empty"))
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def __enter__(self) -> MomentBuffers:
+        self.saved = [(module, name, getattr(module, name)) for module, name in self.SITES]
+        for module, name, make in self.saved:
+            setattr(module, name, self._counted(make))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, make in self.saved:
+            setattr(module, name, make)
+
+    def _counted(self, make):
+        def counted(nbytes, **options):
+            buffer = make(nbytes, **options)
+            self.live += buffer.nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(buffer.untyped_storage(), self._freed, buffer.nbytes)
+            return buffer
+
+        return counted
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def one_chunk(engine) -> int:
+    """The bytes of the largest disk-homed chunk's moments (a stream slot's, aligned); the
+    engine has several, which together hold far more."""
+    optimizer = engine.optimizer
+    sizes = [aligned_size(optimizer.disk.sizes[(c, optim.MOMENTS)]) for c in optimizer.on_disk]
+    assert len(sizes) >= 4 and sum(sizes) > 3 * max(sizes), sizes
+    return max(sizes)
+
+
+def test_a_save_and_a_load_hold_one_chunks_moments_at_a_time(tmp_path):
+    with fxstar.compile(tiny_gpt(), plan(tmp_path / "a"), **example("gpt", *tokens())) as e:
+        train(e, range(1))
+        largest = one_chunk(e)
+        with MomentBuffers() as saving:
+            e.save(tmp_path / "ckpt")
+        with MomentBuffers() as loading:  # into the engine that saved it
+            e.load(tmp_path / "ckpt")
+    assert 0 < saving.peak <= largest and 0 < loading.peak <= largest
+    with fxstar.compile(tiny_gpt(1), plan(tmp_path / "b"), **example("gpt", *tokens())) as e:
+        with MomentBuffers() as loading:  # into a fresh one, its parts made by the load
+            e.load(tmp_path / "ckpt")
+        assert 0 < loading.peak <= one_chunk(e)
+
+
+ROUND_TRIPS = {
+    "disk to disk, fp32": ("disk", "disk", {}, {}),
+    "disk to disk, 8-bit moments": ("disk", "disk", CASES["8-bit moments, bf16"], {}),
+    "disk to disk, kept chunks beside": ("disk", "disk", CASES["kept chunks beside"], {}),
+    "host fp32 to disk 8-bit": (None, "disk", {}, {"optimizer": {**OPT, "state_dtype": "8bit"}}),
+}
+
+
+@pytest.mark.parametrize("case", ROUND_TRIPS)
+def test_a_checkpoint_resumes_bitwise_through_the_disk_tier(case, tmp_path):
+    """Saved by one engine and loaded by another (with or without a disk tier, in the same
+    state dtype or another): the loading engine continues as the same load into a host
+    engine does, and, in the same options, as the engine that saved it."""
+    saver, loader, options, loader_options = ROUND_TRIPS[case]
+
+    def where(tier, name):
+        return None if tier is None else tmp_path / name
+
+    with fxstar.compile(tiny_gpt(), plan(where(saver, "a"), **options),
+                        **example("gpt", *tokens())) as e:  # fmt: skip
+        train(e, range(2))
+        e.save(tmp_path / "ckpt")
+        expected = {"losses": train(e, range(2, 4)), **snapshot(e)}
+    results = []
+    for tier, name in ((loader, "b"), (None, "c")):
+        with fxstar.compile(tiny_gpt(1), plan(where(tier, name), **options, **loader_options),
+                            **example("gpt", *tokens())) as e:  # fmt: skip
+            e.load(tmp_path / "ckpt")
+            results.append({"losses": train(e, range(2, 4)), **snapshot(e)})
+            assert bool(getattr(e.optimizer, "on_disk", [])) == (tier is not None)
+    assert_same(results[0], results[1])
+    if not loader_options:
+        assert_same(results[0], expected)
+
+
+def _data_parallel_checkpoint(rank: int, world: int, root: str) -> dict:
+    options = {"chunk_size": 4096}
+    with fxstar.compile(tiny_gpt(), plan(f"{root}/a", **options),
+                        **example("gpt", *tokens())) as e:  # fmt: skip
+        train(e, range(2))
+        with MomentBuffers() as saving:
+            e.save(f"{root}/ckpt")
+        expected = {"losses": train(e, range(2, 4)), **snapshot(e)}
+    with fxstar.compile(tiny_gpt(1), plan(f"{root}/b", **options),
+                        **example("gpt", *tokens())) as e:  # fmt: skip
+        with MomentBuffers() as loading:
+            e.load(f"{root}/ckpt")
+        got = {"losses": train(e, range(2, 4)), **snapshot(e)}
+        largest = one_chunk(e)
+    return {"expected": expected, "got": got, "peaks": (saving.peak, loading.peak),
+            "largest": largest}  # fmt: skip
+
+
+def test_data_parallel_ranks_save_and_load_their_own_chunks_state(tmp_path):
+    for result in spawn(_data_parallel_checkpoint, 2, str(tmp_path)):
+        assert_same(result["got"], result["expected"])
+        assert all(0 < peak <= result["largest"] for peak in result["peaks"]), result["peaks"]

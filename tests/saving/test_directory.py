@@ -40,14 +40,14 @@ def test_a_save_failing_halfway_leaves_the_previous_checkpoint(tmp_path, monkeyp
     saved = {k: v.clone() for k, v in engine.state_dict().items()}
     train(engine, scheduler, range(2, 4))
 
-    real_write = file_format.write_safetensors
+    real_write = file_format.write_safetensors_streamed
 
-    def second_file_fails(path, tensors, metadata=None):
+    def second_file_fails(path, layout, values, metadata=None):
         if str(path).endswith(ckpt.TENSORS):
             raise OSError("disk full")
-        return real_write(path, tensors, metadata)
+        return real_write(path, layout, values, metadata)
 
-    monkeypatch.setattr(file_format, "write_safetensors", second_file_fails)
+    monkeypatch.setattr(file_format, "write_safetensors_streamed", second_file_fails)
     with pytest.raises(OSError, match="disk full"):
         engine.save(target)
     monkeypatch.undo()

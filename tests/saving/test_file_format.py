@@ -1,5 +1,6 @@
 """The files a checkpoint is written in: safetensors of every dtype with each tensor's checksum
-(fxstar/saving/file_format.py writes through fxstar.weights.write_safetensors)."""
+(fxstar/saving/file_format.py writes through fxstar.weights' streaming writer), deferred
+tensors among them read as the writer reaches them."""
 
 import torch
 from safetensors import safe_open
@@ -23,3 +24,30 @@ def test_write_safetensors_round_trips_every_dtype_and_its_checksums(tmp_path):
             assert read.dtype == t.dtype and torch.equal(read, t), name
             data = read.reshape(-1).view(torch.uint8).numpy().tobytes() if read.numel() else b""
             assert crcs[name] == zlib.crc32(data), name
+
+
+def test_write_tensors_reads_deferred_tensors_into_the_file_and_its_record(tmp_path):
+    from fxstar.runtime.deferred import DeferredTensor
+    from fxstar.saving.file_format import tensor_crc, write_tensors
+
+    chunk = {(0, "exp_avg"): torch.randn(3, 2), (1, "exp_avg"): torch.randn(5)}
+    reads = []
+
+    class Chunks:
+        def read(self, groups):
+            for group in groups:
+                reads.append(group)
+                yield group, chunk
+
+    source = Chunks()
+    deferred = {f"m{i}": DeferredTensor(tuple(t.shape), t.dtype, source, 7, key)
+                for i, (key, t) in enumerate(chunk.items())}  # fmt: skip
+    step = torch.tensor(4.0)
+    record = write_tensors(tmp_path, "t.safetensors", {"step": step, **deferred}, {"format": "pt"})
+    assert reads == [7]
+    expected = {"step": step, "m0": chunk[(0, "exp_avg")], "m1": chunk[(1, "exp_avg")]}
+    with safe_open(tmp_path / "t.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(expected)
+        for name, t in expected.items():
+            assert torch.equal(f.get_tensor(name), t), name
+    assert record["tensors"] == {name: tensor_crc(t) for name, t in expected.items()}

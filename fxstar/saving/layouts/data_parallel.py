@@ -144,7 +144,7 @@ def _write_part(
         params, aliases = dedupe(mine)
     else:
         params, aliases = {}, {}
-    skeleton, tensors = to_json(training_state(view))
+    skeleton, tensors = to_json(training_state(view, deferred=True))
     state_file = rank_tensors_file(rank)
     records = {state_file: write_tensors(tmp, state_file, tensors, {"format": "pt"})}
     file = rank_parameters_file(rank) if view.sharded else PARAMETERS

@@ -33,7 +33,8 @@ class OneProcess(Layout):
 
     def write(self, view: TrainingView, path: str | os.PathLike) -> Path:
         params, aliases = dedupe(view.state_dict())
-        return write_whole(view, path, params, aliases, [to_json(training_state(view))])
+        state = to_json(training_state(view, deferred=True))  # written a disk chunk at a time
+        return write_whole(view, path, params, aliases, [state])
 
 
 def write_whole(view: TrainingView, path: str | os.PathLike, params: dict[str, torch.Tensor],
