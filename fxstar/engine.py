@@ -307,6 +307,13 @@ class Engine(nn.Module):
 
         return training_state(view_of(self))
 
+    def release_mapped_pages(self) -> None:
+        """The pages of the disk tier's mapped fp32 masters read or written since (a save, an
+        export, a load through the parameters) go back to the host; the files keep the
+        values."""
+        if self.chunks is not None and self.chunks.disk is not None:
+            self.chunks.disk.unmap_pages()
+
     @whole_state
     def save(self, path: str | os.PathLike) -> str:
         """Write a checkpoint directory (parameters in safetensors, training state in JSON and

@@ -108,16 +108,19 @@ def host_need(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None
     layout = chunk_plan.layout
     low_precision = layout.dtype != torch.float32
     adam = plan.optimizer.type in ("adam", "adamw")
+    masters_on_disk = low_precision and plan.disk is not None and plan.disk.masters
     need = layout.host_bytes(
-        masters=low_precision, own_grads=not (low_precision and plan.grads_in_host),
+        masters=low_precision and not masters_on_disk,
+        own_grads=not (low_precision and plan.grads_in_host),
         moments=adam and plan.disk is None, state_dtype=plan.optimizer.state_dtype,
         rank=torch.distributed.get_rank() if layout.ranks > 1 else 0,  # its own moments only
         sharded=layout.ranks > 1 and Topology(plan).sharded_payloads,  # and its own homes only
         kept=forecast_kept(plan, chunk_plan) if kept is None else kept,
     )  # fmt: skip
-    if adam and plan.disk is not None:  # the disk tier's moments pass through its host slots
+    if adam and plan.disk is not None:  # the disk tier's parts pass through its host slots
         need += plan.disk.depth * max(
             (moment_bytes(plan.optimizer.state_dtype, c.used, [p.numel for p in c.params])
+             + (c.used * 4 if masters_on_disk else 0)
              for c in layout.chunks if c.trainable), default=0)  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     return need, arena
@@ -130,7 +133,7 @@ def describe_host(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = Non
     count = len(forecast_kept(plan, chunk_plan) if kept is None else kept)
     return (
         f"host memory: {format_size(need)} for chunk homes and optimizer state"
-        + (" (the moments in the disk tier's host slots)" if plan.disk is not None else "")
+        + (" (the disk tier's parts in its host slots)" if plan.disk is not None else "")
         + (f" (but the {count} chunks kept on the compute tier)" if count else "")
         + (f" and {format_size(arena)} for the arena" if arena else "")
         + f", of a host budget of {format_size(budget)} ({source})"

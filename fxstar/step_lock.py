@@ -77,11 +77,15 @@ class StepLock:
 
 def whole_state(method: Callable) -> Callable:
     """`method` of an Engine runs between steps (StepLock.between_steps): reads and writes of
-    the whole training state."""
+    the whole training state; the pages of the disk tier's mapped masters it touched go back
+    to the host after it (Engine.release_mapped_pages)."""
 
     @functools.wraps(method)
     def whole(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self.step_lock.between_steps():
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.release_mapped_pages()
 
     return whole

@@ -516,10 +516,13 @@ class ChunkSchedule(Pass):
 
 def note_tiers(program: Program, layout: ChunkLayout) -> None:
     """With a disk tier, each fetch node says where its chunk's parts live: the payload on
-    the host (loaded to the compute tier here), the fp32 master beside it (bf16/fp16), and
-    a trainable chunk's Adam moments on the disk tier (HybridAdam's device half may keep
-    some chunks on the compute tier for good at the first step: the report says which)."""
-    master = ", fp32 master host" if layout.dtype != torch.float32 else ""
+    the host (loaded to the compute tier here), the fp32 master (bf16/fp16) on the disk tier
+    or, with disk.masters off, on the host, and a trainable chunk's Adam moments on the disk
+    tier (HybridAdam's device half may keep some chunks on the compute tier for good at the
+    first step: the report says which)."""
+    master = ""
+    if layout.dtype != torch.float32:
+        master = f", fp32 master {'disk' if program.plan.disk.masters else 'host'}"
     for node in fetch_nodes(program):
         moments = "disk" if layout.chunks[node.args[1]].trainable else "none (frozen)"
         note(node, "tiers", f"payload host{master}, moments {moments}")

@@ -696,7 +696,9 @@ class HybridAdam(torch.optim.Optimizer):
             " and ".join(tiers) or "none"
         )
         if self.chunks.layout.dtype != torch.float32:
-            line += "; the fp32 masters beside them take 4 bytes per parameter"
+            tier = "disk" if self.disk is not None and self.on_disk and self.disk.has(
+                self.on_disk[0], MASTER_PART) else "host"  # fmt: skip
+            line += f"; the fp32 masters take 4 bytes per parameter on the {tier} tier"
         if self.disk is not None:
             kept = (
                 f"; kept on the compute tier: chunks {self.device_chunks}"

@@ -19,7 +19,9 @@ import torch
 from conftest import activation_budget, example, tiny_gpt, tokens
 
 import fxstar
+from fxstar import placement
 from fxstar.dist_launch import spawn
+from fxstar.dump import format_graph
 from fxstar.errors import DiskIOError
 from fxstar.plan import Plan, PlanError
 from fxstar.runtime import disk_tier, optim
@@ -221,6 +223,27 @@ def test_a_master_file_cut_short_is_named_before_its_pages_are_touched(tmp_path)
                         **example("gpt", *tokens())) as e:  # fmt: skip
         e.load(tmp_path / "ckpt")  # the last checkpoint is whole
         train(e, range(1, 2))
+
+
+def test_the_dump_report_and_host_budget_say_where_the_masters_are(tmp_path):
+    """Each fetch notes its chunk's parts' tiers; the report names the masters' tier; the
+    host budget counts no masters on the host when the disk holds them, only its slots."""
+    needs = {}
+    for masters in (True, False):
+        p = plan(tmp_path / f"s{masters}", masters=masters, precision="bf16", chunk_size=4096)
+        with fxstar.compile(tiny_gpt(), p, **example("gpt", *tokens())) as e:
+            train(e, range(1))
+            program = e.programs[next(iter(e.programs))]
+            text = format_graph(program)
+            where = "disk" if masters else "host"
+            assert f"tiers=payload host, fp32 master {where}, moments disk" in text
+            assert f"fp32 masters take 4 bytes per parameter on the {where} tier" in e.report()
+            needs[masters] = placement.host_need(p, program.decisions.chunk_plan, [])[0]
+            layout = program.decisions.chunk_plan.layout
+    masters_bytes = sum(c.used for c in layout.chunks) * 4
+    slots = 3 * max(c.used for c in layout.chunks if c.trainable) * 4
+    assert needs[False] - needs[True] >= masters_bytes - slots - 4096 * len(layout.chunks)
+    assert needs[True] < needs[False]
 
 
 def test_plans_the_disk_tier_cannot_serve_are_refused_by_name():
