@@ -11,7 +11,9 @@
 2. Compile (capture and every pass, no chunk homes) of meta-built GPTs of growing size: time
    and peak memory must not grow with the parameter count (fake tensors throughout).
 3. `--largest`: the deepest GPT of width 2048 that trains two steps within the host's memory
-   (less a reserve), eager fp32 against fxstar bf16 with a 2 GiB arena. The depth is predicted
+   (less a reserve), eager fp32 against fxstar bf16 with a 2 GiB arena, on the host and with
+   the disk tier (its files under --disk-dir, 12 bytes a parameter; the depth is capped by the
+   free disk there). The depth is predicted
    from each run's bytes per layer at a small depth, then confirmed by training it (a watchdog
    ends a run whose resident memory passes the limit, so the machine never swaps or kills).
 
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +42,10 @@ import fxstar
 
 RUNS = ("eager", "fxstar fp32", "fxstar fp32 meta+safetensors", "fxstar bf16",
         "fxstar bf16 meta+safetensors")  # fmt: skip
-LARGEST = ("eager", "fxstar bf16 meta+init")  # part 3: eager against fxstar's smallest form
+# part 3: eager against fxstar's smallest form, on the host and with the disk tier
+LARGEST = ("eager", "fxstar bf16 meta+init", "fxstar bf16 meta+init disk")
+DISK_BYTES_PER_PARAM = 12  # the disk tier's fp32 master and two fp32 moments
+DISK_STATE = "fxstar-scale-state"  # under --disk-dir; removed after each run, killed or not
 LARGEST_WIDTH, LARGEST_ARENA = 2048, "2GiB"
 
 
@@ -74,8 +80,10 @@ def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     else:
         precision = "bf16" if "bf16" in run else "fp32"
+        disk = os.path.join(args.disk_dir, DISK_STATE) if "disk" in run else None
         plan = fxstar.Plan(device_memory=args.device_memory, precision=precision,
-                           optimizer={"lr": 1e-4}, host_memory=args.host_memory)  # fmt: skip
+                           optimizer={"lr": 1e-4}, host_memory=args.host_memory,
+                           disk=disk)  # fmt: skip
         source = "init" if "init" in run else weights if "meta" in run else None
         try:
             engine = fxstar.compile(model, plan, (idx, targets), weights=source)
@@ -187,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reserve", type=float, default=2.0,
                         help="GiB of host memory part 3 leaves to the system")  # fmt: skip
     parser.add_argument("--host-memory", help="plan.host_memory of fxstar's rows")
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
+                        help="where part 3's disk-tier run keeps its files")  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.child:
@@ -250,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['peak'] / 2**30:>7.2f}GiB {r['bytes_per_layer'] / 2**20:>9.0f}")  # fmt: skip
         print(
             f"fxstar over eager, parameters: {big[1]['params'] / big[0]['params']:.2f}x "
-            "(target: at least 1.1x)"
+            "(target: at least 1.1x); with the disk tier "
+            f"{big[2]['params'] / big[0]['params']:.2f}x (target: at least 3x)"
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
@@ -330,7 +341,10 @@ def largest(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     for run in LARGEST:
 
         def at(layers: int, limit: int | None = limit, run: str = run) -> dict | None:
-            row = child(run, [*argv, *shape, "--layers", str(layers)], "", rss_limit=limit)
+            try:
+                row = child(run, [*argv, *shape, "--layers", str(layers)], "", rss_limit=limit)
+            finally:  # a run the watchdog ended leaves its disk tier's files
+                shutil.rmtree(os.path.join(args.disk_dir, DISK_STATE), ignore_errors=True)
             print(f"  {run}: {layers} layers -> "
                   + ("does not fit" if row is None else f"peak {row['peak'] / 2**30:.2f} GiB"),
                   flush=True)  # fmt: skip
@@ -339,6 +353,12 @@ def largest(args: argparse.Namespace, argv: list[str]) -> list[dict]:
         small, larger = at(2, None), at(4, None)
         per_layer = (larger["peak"] - small["peak"]) / 2
         depth = int((limit - small["peak"]) / per_layer) + 2
+        if "disk" in run:  # the disk holds 12 bytes a parameter: it may bind before memory
+            layer_params = (larger["params"] - small["params"]) / 2
+            free = shutil.disk_usage(args.disk_dir).free - 2**30
+            depth = min(depth, int(free / DISK_BYTES_PER_PARAM / layer_params))
+            print(f"  {run}: {free / 2**30:.0f} GiB free under {args.disk_dir} hold "
+                  f"{depth} layers' disk-tier state", flush=True)  # fmt: skip
         best, row = None, at(depth)
         while row is None and depth > 4:  # the prediction overshot: one layer less at a time
             depth -= 1
