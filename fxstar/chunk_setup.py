@@ -123,8 +123,10 @@ def fill_weights(engine: Engine) -> None:
         engine._weights_line = placement.fill(
             engine.model, engine._weights, engine._unfilled_buffers,
             sharded=engine.chunks.sharded, everywhere=engine.plan.release_after_init,
+            settled=engine.release_mapped_pages,  # a disk tier's masters: a tensor at a time
         )  # fmt: skip
     engine.chunks.masters_written()
+    engine.release_mapped_pages()
     if engine.traced is not engine.model:  # the low-precision copy's buffers, from the model's
         own = dict(engine.model.named_buffers())
         with torch.no_grad():

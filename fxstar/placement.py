@@ -248,7 +248,7 @@ def give_buffers_storage(model: nn.Module, device: torch.device | str | None = N
 
 
 def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: bool = False,
-         everywhere: bool = False) -> str:  # fmt: skip
+         everywhere: bool = False, settled: Callable[[], object] | None = None) -> str:  # fmt: skip
     """Give the model's parameters (views of their chunk homes by now) and the `buffers` that
     had no values their values from `weights`; returns a line for the report. `sharded`
     (data parallel, sharded payloads): the parameters still on the meta device are other
@@ -258,7 +258,7 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
     each owner's chunks hold the serial model's values."""
     if sharded and everywhere and (callable(weights) or weights == "init"):
         with _lent_storage(model):
-            return fill(model, weights, buffers)
+            return fill(model, weights, buffers, settled=settled)
     persistent = set(model.state_dict(keep_vars=True))
     unfilled = [name for name in buffers if name not in persistent]
     init = callable(weights) or weights == "init"
@@ -280,7 +280,7 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
         elsewhere = [n for n, p in model.named_parameters(remove_duplicate=False)
                      if p.is_meta] if sharded else []  # fmt: skip
         report = initialize(model, {}, init=None if weights == "init" else weights,
-                            elsewhere=elsewhere)  # fmt: skip
+                            elsewhere=elsewhere, settled=settled)  # fmt: skip
         _check_written(model, before, report.init)
         return (f"weights: initialised in their chunk homes by {report.init} "
                 f"({len(report.modules)} modules, {report.seconds:.2f}s)")  # fmt: skip
@@ -290,7 +290,8 @@ def fill(model: nn.Module, weights: Weights, buffers: list[str], *, sharded: boo
         elsewhere = {n for n, p in params.items() if p.is_meta} if sharded else set()
         converted = converted_source(model, source)  # transformers' layouts: experts one by one
         report = materialize({**params, **buffers_read}, converted or source,
-                             aliases=tied_names(model), elsewhere=elsewhere)  # fmt: skip
+                             aliases=tied_names(model), elsewhere=elsewhere,
+                             settled=settled)  # fmt: skip
     line = f"weights: read from {os.fspath(weights)} ({report}"
     if converted is not None and converted.conversions():
         parts = converted.conversions()

@@ -540,6 +540,7 @@ def materialize(
     strict: bool = True,
     progress: bool | None = None,
     elsewhere: Collection[str] = (),
+    settled: Callable[[], object] | None = None,
 ) -> ReadReport:
     """Read each destination's tensor from `source` into it, one tensor at a time. `source`:
     a path, a `WeightSource`, or a reader of its interface under other names (a transformers
@@ -555,11 +556,13 @@ def materialize(
     are checked, nothing is read into them. Destinations that are one
     tensor under several names are read once. `progress`: a tqdm bar on stderr; None shows one
     on a terminal for loads of PROGRESS_BYTES or more.
-    """
+    `settled`, if given, runs after each tensor is written: the destinations' owner may give
+    the pages written back (a disk tier's mapped masters)."""
     owned = isinstance(source, (str, os.PathLike))
     src = WeightSource(source) if owned else source
     try:
-        return _materialize(destinations, src, aliases or {}, strict, progress, elsewhere)
+        return _materialize(destinations, src, aliases or {}, strict, progress, elsewhere,
+                            settled)  # fmt: skip
     finally:
         if owned:
             src.close()
@@ -572,6 +575,7 @@ def _materialize(
     strict: bool,
     progress: bool | None,
     elsewhere: Collection[str] = (),
+    settled: Callable[[], object] | None = None,
 ) -> ReadReport:
     pairs = [(a, b) for a, others in aliases.items() for b in others]
     pairs += list(src.aliases().items())
@@ -639,6 +643,8 @@ def _materialize(
               disable=not progress, leave=False) as bar:  # fmt: skip
         for _, stored, out in todo:
             src.read_into(stored, out)
+            if settled is not None:
+                settled()
             report.tensors += 1
             report.bytes += src.nbytes(stored)
             bar.update(src.nbytes(stored))
@@ -761,6 +767,7 @@ def initialize(
     *,
     init: Callable[[nn.Module], object] | str | None = None,
     elsewhere: Collection[str] = (),
+    settled: Callable[[], object] | None = None,
 ) -> InitReport:
     """Bind `module` (built on the meta device) to `destinations` (see `bind`) and initialise
     it there under `torch.no_grad()`, so the values land in the destinations. Parameters
@@ -776,6 +783,8 @@ def initialize(
     - a callable: `init(submodule)` for every submodule, children first, like `module.apply`.
     - None: "transformers" for a transformers PreTrainedModel, else "reset_parameters".
     The init runs on every module: a parameter that was already real is initialised too.
+    `settled`, if given, runs after each module's init (not inside transformers' one call):
+    the destinations' owner may give the pages written back (a disk tier's mapped masters).
 
     With the same seed the values equal a CPU construction's only where the construction draws
     random numbers in the same order: true of models whose constructors only run
@@ -817,6 +826,8 @@ def initialize(
                 if callable(reset):
                     reset()
                     ran.append(name)
+                    if settled is not None:
+                        settled()
         elif init == "transformers":
             # what transformers' init_weights does, without its skip when the default device is
             # meta; the homes are fresh memory, so no module counts as initialised yet
@@ -832,6 +843,8 @@ def initialize(
             for mod in _children_first(module):
                 init(mod)
                 ran.append(names[id(mod)])
+                if settled is not None:
+                    settled()
     seconds = time.perf_counter() - start
     _check_bound(module, destinations)
     label = init if isinstance(init, str) else getattr(init, "__qualname__", repr(init))
