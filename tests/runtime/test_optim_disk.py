@@ -225,6 +225,29 @@ def test_a_master_file_cut_short_is_named_before_its_pages_are_touched(tmp_path)
         train(e, range(1, 2))
 
 
+def test_a_meta_built_model_is_initialised_into_the_mapped_masters(tmp_path, monkeypatch):
+    """weights='init' writes each module's values through the masters' mappings, the pages
+    given back after each module (Engine.release_mapped_pages); the run equals the host's."""
+    from fxstar.engine import Engine
+
+    releases = []
+    release = Engine.release_mapped_pages
+    monkeypatch.setattr(Engine, "release_mapped_pages",
+                        lambda self: releases.append(1) or release(self))  # fmt: skip
+    results = []
+    for disk in (tmp_path / "state", None):
+        with torch.device("meta"):
+            model = tiny_gpt()
+        torch.manual_seed(0)
+        with fxstar.compile(model, plan(disk, precision="bf16", chunk_size=4096),
+                            **example("gpt", *tokens()), weights="init") as e:  # fmt: skip
+            results.append({"losses": train(e, range(2)), **snapshot(e)})
+        if disk is not None:
+            modules = sum(1 for m in model.modules() if hasattr(m, "reset_parameters"))
+            assert len(releases) >= modules  # after each module's init at least
+    assert_same(*results)
+
+
 def test_the_dump_report_and_host_budget_say_where_the_masters_are(tmp_path):
     """Each fetch notes its chunk's parts' tiers; the report names the masters' tier; the
     host budget counts no masters on the host when the disk holds them, only its slots."""
