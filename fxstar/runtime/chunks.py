@@ -304,8 +304,9 @@ class ChunkManager:
 
     def masters_written(self) -> None:
         """The stable parameters (the fp32 masters under bf16/fp16) were written from outside
-        the step (weights read into their homes): every chunk's host copy follows them."""
-        self.step_chunks.masters_written()
+        the step (weights read into their homes): every chunk's host copy follows them, the
+        pages of disk-mapped masters given back a chunk at a time."""
+        self.step_chunks.masters_written(self.disk.unmap_pages if self.masters_on_disk else None)
 
     def owns(self, chunk_id: int) -> bool:
         """This rank steps the chunk (data parallel: its owner; else every chunk)."""

@@ -131,12 +131,15 @@ class StepChunks:
         chunk.sync_host(self._residency.stable)
         chunk.host_changed()
 
-    def masters_written(self) -> None:
+    def masters_written(self, settled: Callable[[int], object] | None = None) -> None:
         """The stable parameters (the fp32 masters under bf16/fp16) were written from outside
-        the step: every chunk's payload follows them."""
+        the step: every chunk's payload follows them; `settled(chunk_id)` after each (the
+        masters' mapped pages go back, a chunk at a time)."""
         for chunk in self.chunks:
             chunk.sync_host(self._residency.stable)
             chunk.host_changed()
+            if settled is not None:
+                settled(chunk.id)
 
     # -- the device half ------------------------------------------------------------------------
 
