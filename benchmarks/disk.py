@@ -27,7 +27,6 @@ grants it). It needs twice the moments' and masters' bytes of free disk under
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -42,7 +41,6 @@ from gpt_setup import add_gpt_args, make_gpt
 
 import fxstar
 from fxstar import placement
-from fxstar.runtime.disk_tier import DiskTier
 
 TARGET_THROUGHPUT = 0.70
 
@@ -63,6 +61,7 @@ class Result:
     throughput_ratio: tuple[float, float, float]
     host_bytes_per_param: float  # host tier, model state
     disk_bytes_per_param: float  # with the disk tier: what stays on the host
+    slot_bytes: int  # the disk tier's host slots at their peak, measured
 
 
 def stats(values: list[float]) -> tuple[float, float, float]:
@@ -88,11 +87,24 @@ def host_per_param(e) -> float:
     return need / sum(p.numel() for p in e.parameters())
 
 
-def throughput(tier: DiskTier, items: list[int], directory: str, rounds: int):
-    """(stream B/s per round, plain B/s per round): both move every part's bytes out and in."""
-    moved = 2 * sum(f.size for f in tier.files.values())
-    parts = sorted({part for _, part in tier.files})  # moments, and (bf16) masters
-    buffers = [memoryview(bytearray(tier.files[(i, p)].size)) for i in items for p in parts]
+def throughput(e, directory: str, rounds: int):
+    """(stream B/s per round, plain B/s per round): both move every disk-homed part's bytes
+    out and in, the stream as a step does (its pieces, nothing computed)."""
+    tier, optimizer = e.optimizer.disk, e.optimizer
+    spans = [(c, slice(0, optimizer.chunks.chunk(c).used)) for c in optimizer.on_disk]
+
+    def stream_once() -> int:
+        """One pass of the step's stream; the bytes it moved."""
+        before = tier.stats.bytes_read + tier.stats.bytes_written
+        with optimizer.stream_pieces(spans) as stream:
+            for chunk_id, span in spans:
+                for _ in stream.spans(chunk_id, span):
+                    pass
+        for file in tier.files.values():
+            file.sync()
+        return tier.stats.bytes_read + tier.stats.bytes_written - before
+
+    buffers = [memoryview(bytearray(f.size)) for f in tier.files.values()]
     plain = Plain(os.path.join(directory, "plain.bin"), buffers)
     streamed, plained = [], []
     for r in range(rounds):
@@ -100,17 +112,13 @@ def throughput(tier: DiskTier, items: list[int], directory: str, rounds: int):
         for what in order:
             start = time.perf_counter()
             if what == "stream":
-                with contextlib.closing(tier.stream(items, parts)) as stream:
-                    for _ in stream:
-                        pass
-                for file in tier.files.values():
-                    file.sync()
+                moved = stream_once()
                 streamed.append(moved / (time.perf_counter() - start))
             else:
                 plain.write()
                 drop_cached(plain.path)  # the read meets the disk, as the tier's O_DIRECT reads do
                 plain.read()
-                plained.append(moved / (time.perf_counter() - start))
+                plained.append(2 * sum(map(len, buffers)) / (time.perf_counter() - start))
     os.unlink(plain.path)
     return streamed, plained
 
@@ -152,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             waits.append(tier.stats.wait_seconds - before[2])
             moved.append((tier.stats.bytes_read - before[0], tier.stats.bytes_written - before[1]))
         on_disk = tier.bytes_on_disk()
-        items = sorted(disk.optimizer.on_disk)
-        streamed, plained = throughput(tier, items, work, args.rounds)
+        streamed, plained = throughput(disk, work, args.rounds)
         result = Result(
             params=params, disk_bytes=on_disk, step_ratio=stats(ratios),
             host_step_s=statistics.median(host_times), disk_step_s=statistics.median(disk_times),
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             plain_bytes_per_s=statistics.median(plained),
             throughput_ratio=stats([s / p for s, p in zip(streamed, plained, strict=True)]),
             host_bytes_per_param=host_per_param(host), disk_bytes_per_param=host_per_param(disk),
+            slot_bytes=tier.stats.peak_staging_bytes,
         )  # fmt: skip
         host.close()
         disk.close()
@@ -198,7 +206,8 @@ def report(args, r: Result) -> None:
     print(f"{verdict} host bytes per parameter (model state): host tier "
           f"{r.host_bytes_per_param:.2f}, with the disk tier {r.disk_bytes_per_param:.2f} "
           "(target <= 4: the payload, whose room the gradient takes, and the tier's host "
-          "slots)")  # fmt: skip
+          f"slots: {r.slot_bytes / mib:.1f} MiB at their peak, "
+          f"{r.slot_bytes / r.params:.2f} per parameter)")  # fmt: skip
 
 
 if __name__ == "__main__":

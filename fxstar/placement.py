@@ -30,8 +30,8 @@ from fxstar.capture import is_meta
 from fxstar.errors import FxstarError, UsageError
 from fxstar.hf_checkpoint import converted_source
 from fxstar.plan import resolve_device
+from fxstar.runtime.disk_pieces import largest_piece_bytes
 from fxstar.runtime.layout import ChunkPlan, spare_bytes
-from fxstar.runtime.moments import moment_bytes
 from fxstar.sizes import format_size
 from fxstar.topology import Topology
 from fxstar.weights import WeightSource, initialize, is_transformers, materialize, tied_names
@@ -119,8 +119,9 @@ def host_need(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None
     )  # fmt: skip
     if adam and plan.disk is not None:  # the disk tier's parts pass through its host slots
         need += plan.disk.depth * max(
-            (moment_bytes(plan.optimizer.state_dtype, c.used, [p.numel for p in c.params])
-             + (c.used * 4 if masters_on_disk else 0)
+            (largest_piece_bytes(plan.optimizer.state_dtype, c.used,
+                                 [p.numel for p in c.params], plan.disk.piece,
+                                 masters=masters_on_disk)
              for c in layout.chunks if c.trainable), default=0)  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     return need, arena

@@ -575,8 +575,15 @@ class DiskConfig(_Group):
     )  # fmt: skip
     depth: int = _option(
         3, check=_integer(2, 64),
-        doc="Chunks whose moments are in host memory at once during a step: the one updated, "
+        doc="Pieces whose state is in host memory at once during a step: the one updated, "
         "the next being read and the last being written.",
+    )  # fmt: skip
+    piece: int = _option(
+        1 << 21, check=_integer(4096),
+        doc="Elements of a chunk a step updates from host memory at once (DeepSpeed's "
+        "sub_group_size; rounded down to a multiple of 4096): the host holds `depth` pieces' "
+        "master and moments, 12 bytes an element with fp32 moments, whatever the chunk size. "
+        "With 8-bit moments a piece is a whole chunk.",
     )  # fmt: skip
     masters: bool = _option(
         True, check=_boolean,

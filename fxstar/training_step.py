@@ -43,6 +43,7 @@ def make_optimizer(engine: Engine) -> torch.optim.Optimizer:
             host_budget=placement.HostBudget(plan, engine.program),
             data_parallel=chunks.data_parallel, state_dtype=opt.state_dtype,
             disk=chunks.disk,
+            **({"disk_piece": plan.disk.piece} if plan.disk is not None else {}),
         )  # fmt: skip
     if chunks is not None and chunks.low_precision:
         raise PlanError(

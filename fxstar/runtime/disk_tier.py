@@ -1,10 +1,12 @@
 """The disk tier: chunk parts (an fp32 master, Adam's moments) kept in files under a directory
-the user names, brought to host memory a few chunks at a time.
+the user names, brought to host memory a few pieces at a time.
 
 Why a stream, not a cache: the optimizer step visits every chunk once, in one order, so the
-bytes it needs next are known. `DiskTier.stream` reads chunk i+1 while the caller updates chunk
-i and writes chunk i-1 back, through a ring of `depth` host slots: at most `depth` chunks'
-parts are in host memory at once (`staging_bytes`), whatever the model's size. Reads and
+bytes it needs next are known. `DiskTier.stream` reads item i+1 while the caller updates item
+i and writes item i-1 back, through a ring of `depth` host slots: at most `depth` items' parts
+are in host memory at once (`peak_staging_bytes`), whatever the model's size. An item is a
+chunk's parts whole, or an `Extent`: byte ranges of them (a piece of a chunk, so the slots stay
+small whatever the chunk size: runtime/disk_pieces.py). Reads and
 writes run on the C++ core's I/O threads (runtime/disk_io.py, O_DIRECT where the filesystem
 allows it), the GIL released while they run and while a wait blocks.
 
@@ -33,7 +35,7 @@ import mmap
 import os
 import time
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -41,14 +43,21 @@ from typing import ClassVar
 import torch
 
 from fxstar.errors import DiskIOError, FxstarError
-from fxstar.runtime.disk_io import DiskFile, DiskIO, DiskIORequest, aligned_buffer, aligned_size
+from fxstar.runtime.disk_io import (
+    DIRECT_ALIGNMENT,
+    DiskFile,
+    DiskIO,
+    DiskIORequest,
+    aligned_buffer,
+    aligned_size,
+)
 from fxstar.runtime.host import release_pages
 from fxstar.runtime.tiers import Tier
 
-__all__ = ["DiskTier", "DiskTierError", "DiskTierStats"]
+__all__ = ["DiskTier", "DiskTierError", "DiskTierStats", "Extent"]
 
 LOCK_NAME = ".fxstar-disk-tier.lock"
-DEFAULT_DEPTH = 3  # slots: the chunk read ahead, the one updated, the one written back
+DEFAULT_DEPTH = 3  # slots: the item read ahead, the one updated, the one written back
 
 
 class DiskTierError(FxstarError):
@@ -72,6 +81,20 @@ class DiskTierStats:
 class _Slot:
     buffers: dict[str, torch.Tensor]  # part -> aligned uint8 host buffer
     pending: list[DiskIORequest] = field(default_factory=list)  # writes from this slot
+
+
+@dataclass(frozen=True)
+class Extent:
+    """What one position of a stream moves of an item's parts: per part, byte ranges of its
+    file (whole DIRECT_ALIGNMENT blocks), laid one after another in the slot's buffer, of which
+    the caller sees the first `lengths[part]` bytes (a piece of a chunk: runtime/disk_pieces.py)."""
+
+    item: Hashable
+    ranges: dict[str, tuple[tuple[int, int], ...]]  # part -> (offset, nbytes) of its file
+    lengths: dict[str, int]
+
+    def nbytes(self, part: str) -> int:
+        return sum(n for _, n in self.ranges[part])
 
 
 class DiskTier(Tier):
@@ -226,22 +249,19 @@ class DiskTier(Tier):
     # -- the stream a step reads and writes through ---------------------------------------------
 
     def stream(
-        self, items: Sequence[Hashable], parts: Sequence[str], *, write_back: bool = True
-    ) -> Iterator[tuple[Hashable, dict[str, torch.Tensor]]]:
+        self, items: Sequence[Hashable | Extent], parts: Sequence[str], *,
+        write_back: bool = True,
+    ) -> Iterator[tuple[Hashable | Extent, dict[str, torch.Tensor]]]:  # fmt: skip
         """Each of `items` in order with its `parts` in host memory: {part: uint8 tensor of
-        the part's bytes}, read ahead one item and written back (`write_back`) once the caller
-        asks for the next, through `depth` slots. Whatever the caller changed in a yielded
-        item's buffers is written back, also when it stops early or raises; every request is
-        waited for before the stream ends. Iterate it under `contextlib.closing` so an early
-        stop ends it at once, not when the generator is collected."""
+        the part's bytes} (an `Extent`: of its ranges, one after another), read ahead one item
+        and written back (`write_back`) once the caller asks for the next, through `depth`
+        slots. Whatever the caller changed in a yielded item's buffers is written back, also
+        when it stops early or raises; every request is waited for before the stream ends.
+        Iterate it under `contextlib.closing` so an early stop ends it at once, not when the
+        generator is collected."""
         self._check_open()
-        items = list(items)
-        for item in items:
-            for part in parts:
-                if (item, part) not in self.files:
-                    raise KeyError(f"disk tier: no part {part!r} of {item!r}")
-        largest = {p: max((aligned_size(self.sizes[(i, p)]) for i in items), default=0)
-                   for p in parts}  # fmt: skip
+        extents = [self._extent(item, parts) for item in items]
+        largest = {p: max((e.nbytes(p) for e in extents), default=0) for p in parts}
         slots = [_Slot({p: aligned_buffer(n) for p, n in largest.items()})
                  for _ in range(min(self.depth, max(len(items), 1)))]  # fmt: skip
         self.stats.streams += 1
@@ -250,37 +270,41 @@ class DiskTier(Tier):
         before = (self.stats.bytes_read, self.stats.bytes_written, self.stats.wait_seconds)
         reads: dict[int, list[DiskIORequest]] = {}  # position -> its reads in flight
 
+        def requests(position: int, start: Callable) -> list[DiskIORequest]:
+            """`start(file, offset, buffer)` for each range of the position's parts."""
+            slot, extent = slots[position % len(slots)], extents[position]
+            made = []
+            for p in parts:
+                at = 0
+                for offset, nbytes in extent.ranges[p]:
+                    made.append(start(self.files[(extent.item, p)], offset,
+                                      slot.buffers[p][at : at + nbytes]))  # fmt: skip
+                    at += nbytes
+            return made
+
         def start_read(position: int) -> None:
             slot = slots[position % len(slots)]
             self._wait(slot.pending)  # the write that used the slot before has landed
             slot.pending = []
-            item = items[position]
-            reads[position] = [
-                self.io.read(self.files[(item, p)], 0,
-                             slot.buffers[p][: aligned_size(self.sizes[(item, p)])])
-                for p in parts
-            ]  # fmt: skip
+            reads[position] = requests(position, self.io.read)
 
         def finish(position: int) -> None:
             if not write_back:
                 return
-            slot, item = slots[position % len(slots)], items[position]
-            for p in parts:
-                n = aligned_size(self.sizes[(item, p)])
-                slot.pending.append(self.io.write(self.files[(item, p)], 0, slot.buffers[p][:n]))
-                self.stats.bytes_written += n
+            slots[position % len(slots)].pending += requests(position, self.io.write)
+            self.stats.bytes_written += sum(map(extents[position].nbytes, parts))
 
         position = -1
         try:
             if items:
                 start_read(0)
-            for position, item in enumerate(items):
+            for position, extent in enumerate(extents):
                 if position + 1 < len(items):
                     start_read(position + 1)
                 self._wait(reads.pop(position))
-                self.stats.bytes_read += sum(aligned_size(self.sizes[(item, p)]) for p in parts)
+                self.stats.bytes_read += sum(map(extent.nbytes, parts))
                 slot = slots[position % len(slots)]
-                yield item, {p: slot.buffers[p][: self.sizes[(item, p)]] for p in parts}
+                yield items[position], {p: slot.buffers[p][: extent.lengths[p]] for p in parts}
                 finish(position)
                 position = -1
         finally:
@@ -295,13 +319,43 @@ class DiskTier(Tier):
                                           self.stats.bytes_written - written,
                                           self.stats.wait_seconds - waited))  # fmt: skip
 
+    def _extent(self, item: Hashable | Extent, parts: Sequence[str]) -> Extent:
+        """An item of a stream as the byte ranges it moves: a whole item's parts whole."""
+        if not isinstance(item, Extent):
+            for part in parts:
+                if (item, part) not in self.files:
+                    raise KeyError(f"disk tier: no part {part!r} of {item!r}")
+            return Extent(item, {p: ((0, aligned_size(self.sizes[(item, p)])),) for p in parts},
+                          {p: self.sizes[(item, p)] for p in parts})  # fmt: skip
+        for part in parts:
+            key = (item.item, part)
+            if key not in self.files:
+                raise KeyError(f"disk tier: no part {part!r} of {item.item!r}")
+            for offset, nbytes in item.ranges[part]:
+                if (
+                    offset % DIRECT_ALIGNMENT
+                    or nbytes % DIRECT_ALIGNMENT
+                    or (offset + nbytes > aligned_size(self.sizes[key]))
+                ):
+                    raise ValueError(
+                        f"disk tier: part {part!r} of {item.item!r}: the range of {nbytes:,} "
+                        f"bytes at {offset:,} is not whole {DIRECT_ALIGNMENT}-byte blocks "
+                        f"within its {aligned_size(self.sizes[key]):,} bytes"
+                    )
+        return item
+
     def _wait(self, requests: Sequence[DiskIORequest]) -> None:
-        start = time.perf_counter()
-        try:
-            for request in requests:
+        """Every request waited for, then the first one's error raised: none is left in
+        flight (its error would surface again at close)."""
+        start, error = time.perf_counter(), None
+        for request in requests:
+            try:
                 request.wait()
-        finally:
-            self.stats.wait_seconds += time.perf_counter() - start
+            except Exception as e:  # noqa: BLE001 -- raised once all are waited for
+                error = error or e
+        self.stats.wait_seconds += time.perf_counter() - start
+        if error is not None:
+            raise error
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -330,7 +384,7 @@ class DiskTier(Tier):
             f"disk tier {self.directory}: {len(self.files)} parts, {self.bytes_on_disk():,} bytes "
             f"on disk; {s.bytes_read:,} read, {s.bytes_written:,} written, "
             f"{s.wait_seconds:.3f} s waited; at most {s.peak_staging_bytes:,} bytes in host "
-            f"slots ({self.depth} chunks)"
+            f"slots ({self.depth} pieces)"
         )
 
 

@@ -65,50 +65,71 @@ def _check_state_dtype(state_dtype: str) -> str:
     return state_dtype
 
 
-def moment_bytes(state_dtype: str, length: int, numels: Sequence[int]) -> int:
+def moment_bytes(state_dtype: str, length: int, numels: Sequence[int], align: int = 1) -> int:
     """Bytes of both moments of a chunk whose parameters (of `numels` elements, in slot order)
-    span `length` elements: the buffer `AdamMoments.views` lays them out in."""
-    if _check_state_dtype(state_dtype) == "fp32":
-        return 2 * length * 4
-    if state_dtype == "bf16":
-        return 2 * length * 2
-    codes = -(-length // CODES_ALIGNMENT) * CODES_ALIGNMENT
-    return 2 * codes + 2 * 4 * sum(map(quant_blocks, numels))
+    span `length` elements: the buffer `AdamMoments.views` lays them out in, each region
+    starting at a multiple of `align` bytes."""
+    regions = _regions(_check_state_dtype(state_dtype), length, numels, align)
+    return regions[-1][0] + regions[-1][1]
+
+
+def _regions(state_dtype: str, length: int, numels: Sequence[int], align: int
+             ) -> list[tuple[int, int]]:  # fmt: skip
+    """(offset, bytes) of a chunk's moment regions, in order: both moments' values; or both
+    moments' codes, then both moments' absmax values."""
+    if state_dtype != "8bit":
+        size = length * (4 if state_dtype == "fp32" else 2)
+        return [(0, size), (_up(size, align), size)]
+    codes = _up(length, max(CODES_ALIGNMENT, align))
+    scales = 4 * sum(map(quant_blocks, numels))
+    return [
+        (0, length),
+        (codes, length),
+        (2 * codes, scales),
+        (2 * codes + _up(scales, align), scales),
+    ]
+
+
+def _up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 class AdamMoments:
     """Both Adam moments in one state dtype (see the module)."""
 
-    def __init__(self, state_dtype: str = "fp32"):
+    def __init__(self, state_dtype: str = "fp32", *, align: int = 1):
         self.state_dtype = _check_state_dtype(state_dtype)
         self.quantised = state_dtype == "8bit"
+        self.align = align  # bytes: where each region of a chunk's layout starts (a disk page)
         # the per-parameter state keys, in the order a run hands them to the kernel
         self.keys = (CODES[0], ABSMAX[0], CODES[1], ABSMAX[1]) if self.quantised else VALUES
 
     def nbytes(self, length: int, numels: Sequence[int]) -> int:
-        return moment_bytes(self.state_dtype, length, numels)
+        return moment_bytes(self.state_dtype, length, numels, self.align)
 
     def bytes_per_element(self) -> float:
         """Bytes both moments take per parameter element (8-bit: its absmax shared by a
         whole block)."""
         return {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8.0 / QUANT_BLOCK}[self.state_dtype]
 
+    def regions(self, length: int, numels: Sequence[int]) -> list[tuple[int, int]]:
+        """(offset, bytes) of each region of `views`' layout: the values of both moments, or
+        the codes of both and the absmax values of both."""
+        return _regions(self.state_dtype, length, numels, self.align)
+
     def views(self, buffer: torch.Tensor, length: int, slots: Sequence[Slot]
               ) -> list[dict[str, torch.Tensor]]:  # fmt: skip
         """Each slot's moments inside `buffer` (uint8, `nbytes(length, ...)` of a chunk whose
         slots span `length` elements, zeroed: zero moments), as its state's entries."""
+        regions = [buffer[o : o + n] for o, n in self.regions(length, [s.numel for s in slots])]
         if not self.quantised:
             dtype = torch.float32 if self.state_dtype == "fp32" else torch.bfloat16
-            values = buffer.view(dtype)
-            first, second = values[:length], values[length : 2 * length]
+            first, second = (r.view(dtype) for r in regions)
             return [{VALUES[0]: first[s.offset : s.offset + s.numel].view(s.shape),
                      VALUES[1]: second[s.offset : s.offset + s.numel].view(s.shape)}
                     for s in slots]  # fmt: skip
-        codes = -(-length // CODES_ALIGNMENT) * CODES_ALIGNMENT
-        blocks = sum(quant_blocks(s.numel) for s in slots)
-        scales = buffer[2 * codes : 2 * codes + 8 * blocks].view(torch.float32)
-        first = (buffer[:codes], scales[:blocks])
-        second = (buffer[codes : 2 * codes], scales[blocks:])
+        first = (regions[0], regions[2].view(torch.float32))
+        second = (regions[1], regions[3].view(torch.float32))
         views, block = [], 0
         for s in slots:
             elements = slice(s.offset, s.offset + s.numel)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -41,6 +41,7 @@ from fxstar.runtime import cpu_adam
 from fxstar.runtime.chunk import MASTER_PART, Chunk, ChunkBudgetError
 from fxstar.runtime.deferred import DeferredTensor, read_values
 from fxstar.runtime.disk_moments import DiskMoments
+from fxstar.runtime.disk_pieces import MOMENTS, Piece, PieceStream, file_moments, plan_pieces
 from fxstar.runtime.grad_norm import GradNorm, clip_coefficient
 from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
@@ -51,8 +52,6 @@ from fxstar.runtime.step_chunks import StepChunks
 if TYPE_CHECKING:
     from fxstar.runtime.data_parallel import ChunkGroups
     from fxstar.runtime.disk_tier import DiskTier
-
-MOMENTS = "moments"  # a chunk's part on the disk tier: both moments, as AdamMoments lays them
 
 __all__ = ["HostBudget", "HybridAdam"]
 
@@ -85,6 +84,7 @@ class HybridAdam(torch.optim.Optimizer):
         data_parallel: ChunkGroups | None = None,
         state_dtype: str = "fp32",
         disk: DiskTier | None = None,
+        disk_piece: int = 1 << 21,
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.chunks = chunks
@@ -92,6 +92,10 @@ class HybridAdam(torch.optim.Optimizer):
         # the disk tier: host chunks' moments in its files, streamed through each step
         self.disk = disk
         self.on_disk: list[int] = []  # chunks whose moments the disk tier holds
+        # the files' layout of a chunk's moments: every region on a page (runtime/disk_pieces)
+        self.file_moments = file_moments(state_dtype)
+        self.disk_piece = disk_piece  # elements of a chunk a step's stream holds at a time
+        self._pieces: dict[int, list[Piece]] = {}  # a disk-homed chunk's pieces
         self.data_parallel = data_parallel  # the chunk owners and their collectives
         self.adamw = adamw
         self.clip_grad_norm = clip_grad_norm
@@ -156,26 +160,23 @@ class HybridAdam(torch.optim.Optimizer):
                 continue  # _keep made them on the compute tier
             if self.disk is None:
                 self._set_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
-            else:  # zeros in a file of their own; the state holds them only while streamed
+            else:  # zeros in a file of their own; a step reads them a piece at a time
                 self._set_moments(chunk, [{} for _ in chunk.slots])
                 self.disk.add(chunk.id, MOMENTS, self._moment_bytes(chunk))
-                self.on_disk.append(chunk.id)
+                self._homed_on_disk(chunk)
         self._without_moments = []
 
     def _moment_bytes(self, chunk: Chunk) -> int:
-        return self.moments.nbytes(chunk.used, [s.numel for s in chunk.slots])
+        return self.file_moments.nbytes(chunk.used, [s.numel for s in chunk.slots])
 
-    def _attach(self, chunk: Chunk, buffer: torch.Tensor) -> None:
-        """The chunk's parameters' state holds its moments in `buffer` (a disk part's bytes in
-        host memory) until `_detach`."""
-        views = self.moments.views(buffer, chunk.used, chunk.slots)
-        for slot, moments in zip(chunk.slots, views, strict=True):
-            state = self.state.get(self.chunks.param(slot))
-            if state is not None:
-                state.update(moments)
+    def _homed_on_disk(self, chunk: Chunk) -> None:
+        self.on_disk.append(chunk.id)
+        self._pieces[chunk.id] = plan_pieces(chunk.id, chunk.used, chunk.slots,
+                                             self.file_moments, self.disk_piece)  # fmt: skip
 
     def _detach(self, chunk: Chunk) -> None:
-        """The state lets go of the moments `_attach` gave it: no view outlives its buffer."""
+        """The state lets go of the chunk's moments (written to the disk tier): no view outlives
+        its buffer."""
         for slot in chunk.slots:
             state = self.state.get(self.chunks.param(slot))
             for key in MOMENT_KEYS:
@@ -183,42 +184,31 @@ class HybridAdam(torch.optim.Optimizer):
                     state.pop(key, None)
 
     @contextlib.contextmanager
-    def _streamed(self, chunk_ids: list[int]) -> Iterator[Callable[[Chunk], torch.Tensor]]:
-        """Around a step's updates: `attach(chunk)` before a run returns the fp32 parameters
-        the run updates, the chunk's `fp32_home`, or for a disk-homed chunk its master in the
-        stream's host slot (its file is written back from there, and the stable parameters'
-        mappings read it then). A disk-homed chunk's state gets its moments the same way,
-        streamed in the order the runs visit the chunks (the next one read and the last
-        written back while this one is updated: DiskTier.stream)."""
-        on_disk = set(self.on_disk)
-        order = [c for c in dict.fromkeys(chunk_ids) if c in on_disk]
-        if not order:
-            yield lambda chunk: chunk.fp32_home
+    def stream_pieces(self, spans: list[tuple[int, slice]]) -> Iterator[PieceStream | None]:
+        """Around a step's updates of the runs over `spans` (chunk, elements), in their order:
+        the disk-homed chunks' pieces they reach, streamed through host memory (PieceStream),
+        their moments and (plan.disk.masters) fp32 masters in its slots; None when none is on
+        the disk tier. benchmarks/disk.py streams what a step does through it, computing
+        nothing."""
+        pieces = {c: self._pieces[c] for c in self.on_disk}
+        needed = list(dict.fromkeys(
+            piece for chunk_id, span in spans for piece in pieces.get(chunk_id, ())
+            if piece.lo < span.stop and span.start < piece.hi
+        ))  # fmt: skip
+        if not needed:
+            yield None
             return
-        masters = self.disk.has(order[0], MASTER_PART)  # all of them or none (plan.disk.masters)
-        stream = self.disk.stream(order, [MOMENTS, MASTER_PART] if masters else [MOMENTS])
-        current: list[tuple[Chunk, torch.Tensor]] = []
-
-        def attach(chunk: Chunk) -> torch.Tensor:
-            if chunk.id not in on_disk:
-                return chunk.fp32_home
-            if current and current[-1][0] is chunk:
-                return current[-1][1]
-            if current:
-                self._detach(current[-1][0])
-            item, parts = next(stream)
-            assert item == chunk.id, (item, chunk.id)  # the runs visit chunks in `order`
-            self._attach(chunk, parts[MOMENTS])
-            home = parts[MASTER_PART].view(torch.float32) if masters else chunk.fp32_home
-            current.append((chunk, home[: chunk.used]))
-            return current[-1][1]
-
+        chunks = {p.chunk: self.chunks.chunk(p.chunk) for p in needed}
+        stream = PieceStream(
+            self.disk, self.file_moments, needed,
+            used={c: chunk.used for c, chunk in chunks.items()},
+            numels={c: [s.numel for s in chunk.slots] for c, chunk in chunks.items()},
+            masters=self.disk.has(needed[0].chunk, MASTER_PART),  # all or none (plan.disk)
+        )  # fmt: skip
         try:
-            yield attach
+            yield stream
         finally:
-            if current:
-                self._detach(current[-1][0])
-            stream.close()  # the last chunk written back, every request waited for
+            stream.close()
 
     def _set_moments(self, chunk, views: list[dict[str, torch.Tensor]]) -> None:
         """Fresh state of the chunk's parameters, their moments these views of a chunk-long
@@ -358,10 +348,10 @@ class HybridAdam(torch.optim.Optimizer):
             self.last_grad_norm = math.sqrt(sum_sq) / scale
             if self.clip_grad_norm is not None:
                 grad_scale *= clip_coefficient(self.clip_grad_norm, self.last_grad_norm)
-        chunk_order = [self._slots[id(params[0])].chunk for params, _, span, _ in runs
-                       if span is not None]  # fmt: skip
-        with self._streamed(chunk_order) as attach:
-            touched = self._update(runs, grads, grad_scale, attach)
+        spans = [(self._slots[id(params[0])].chunk, span) for params, _, span, _ in runs
+                 if span is not None]  # fmt: skip
+        with self.stream_pieces(spans) as stream:
+            touched = self._update(runs, grads, grad_scale, stream)
         for chunk_id in touched:
             self.chunks.stepped(self.chunks.chunk(chunk_id))
         if groups is not None and groups.sharded:  # fetched from the owners from now on
@@ -373,8 +363,9 @@ class HybridAdam(torch.optim.Optimizer):
         return True
 
     def _update(self, runs: list, grads: list[torch.Tensor], grad_scale: float,
-                attach: Callable[[Chunk], torch.Tensor]) -> set[int]:  # fmt: skip
-        """Every run's update; the chunks touched."""
+                stream: PieceStream | None) -> set[int]:  # fmt: skip
+        """Every run's update (a disk-homed chunk's from the `stream`, a piece at a time); the
+        chunks touched."""
         touched = set()
         for (params, group, span, _), grad in zip(runs, grads, strict=True):
             if span is None:  # a parameter outside the chunks
@@ -389,22 +380,28 @@ class HybridAdam(torch.optim.Optimizer):
                 continue
             slot = self._slots[id(params[0])]
             chunk = self.chunks.chunk(slot.chunk)
-            fp32 = attach(chunk)
             first = self.state[params[0]]
             for p in params:
                 self.state[p]["step"] += 1
             step = int(first["step"])
-            # a run starts at its first parameter, where that one's moments start
-            moments = self.moments.run(first, span.stop - span.start)
             if chunk.kept:
+                # a run starts at its first parameter, where that one's moments start
+                moments = self.moments.run(first, span.stop - span.start)
                 self._device_step(chunk, span, grad, moments, first["step"], group, grad_scale)
             else:
-                self.moments.step(
-                    fp32[span], grad.reshape(-1), moments, step=step,
-                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=self.adamw, grad_scale=grad_scale,
-                    out=_payload_out(chunk, span),
-                )  # fmt: skip
+                grad = grad.reshape(-1)
+                if stream is None or slot.chunk not in self._pieces:
+                    pieces = [(span, None, self.moments.run(first, span.stop - span.start))]
+                else:
+                    pieces = stream.spans(slot.chunk, span)
+                for part, master, moments in pieces:
+                    self.moments.step(
+                        chunk.fp32_home[part] if master is None else master,
+                        grad[part.start - span.start : part.stop - span.start], moments,
+                        step=step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                        weight_decay=group["weight_decay"], adamw=self.adamw,
+                        grad_scale=grad_scale, out=_payload_out(chunk, part),
+                    )  # fmt: skip
             if chunk.grads_in_payload:  # the copy-out overwrote the gradients in their room
                 self.chunks.payload_written(chunk, [self._slots[id(p)] for p in params])
             touched.add(slot.chunk)
@@ -561,11 +558,11 @@ class HybridAdam(torch.optim.Optimizer):
             self._move_moments(chunk, self.moments.on_host(chunk.used, chunk.slots))
         else:  # to the disk tier, as the host chunks' moments are
             buffer = host_empty(self._moment_bytes(chunk), zero=True)
-            self._move_moments(chunk, self.moments.views(buffer, chunk.used, chunk.slots))
+            self._move_moments(chunk, self.file_moments.views(buffer, chunk.used, chunk.slots))
             self.disk.add(chunk.id, MOMENTS, buffer.nbytes)
             self.disk.write(chunk.id, MOMENTS, buffer)
             self._detach(chunk)
-            self.on_disk.append(chunk.id)
+            self._homed_on_disk(chunk)
         self.chunks.give_back(chunk_id)  # frees the moments' block too
 
     def state_dict(self) -> dict[str, Any]:
@@ -605,7 +602,7 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _disk_moments(self) -> DiskMoments:
         """The disk-homed chunks' moments, a chunk at a time (checkpoints)."""
-        return DiskMoments(self.disk, MOMENTS, self.moments,
+        return DiskMoments(self.disk, MOMENTS, self.file_moments,
                            [self.chunks.chunk(c) for c in self.on_disk])  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

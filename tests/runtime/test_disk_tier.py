@@ -11,7 +11,7 @@ import torch
 
 from fxstar.errors import DiskIOError
 from fxstar.runtime.disk_io import aligned_size
-from fxstar.runtime.disk_tier import LOCK_NAME, DiskTier, DiskTierError
+from fxstar.runtime.disk_tier import LOCK_NAME, DiskTier, DiskTierError, Extent
 
 SIZES = {0: 1000, 1: 4096 + 8, 2: 12, 3: 777}  # bytes of each item's part: none aligned
 
@@ -54,6 +54,36 @@ def test_a_stream_writes_back_what_the_caller_changed_through_bounded_slots(tmp_
         assert tier.stats.peak_staging_bytes == 3 * largest  # 3 slots of the largest part
         read, written, _ = tier.stats.per_stream[-1]
         assert read == written == sum(map(aligned_size, SIZES.values()))
+
+
+def test_an_extent_streams_its_ranges_and_writes_back_only_those(tmp_path):
+    page = 4096
+    with DiskTier(tmp_path / "state", depth=2) as tier:
+        tier.add("c", "moments", 5 * page - 10)
+        data = torch.randint(0, 256, (5 * page - 10,), dtype=torch.uint8)
+        tier.write("c", "moments", data)
+        # two pieces: pages 0 and 3, then page 1 and the last page (the part's end)
+        extents = [Extent("c", {"moments": ((0, page), (3 * page, page))}, {"moments": 2 * page}),
+                   Extent("c", {"moments": ((page, page), (4 * page, page))},
+                          {"moments": 2 * page - 10})]  # fmt: skip
+        with contextlib.closing(tier.stream(extents, ["moments"])) as stream:
+            for extent, parts in stream:
+                (offset_a, _), (offset_b, _) = extent.ranges["moments"]
+                got = parts["moments"]
+                assert torch.equal(got[:page], data[offset_a : offset_a + page])
+                assert torch.equal(got[page:], data[offset_b : offset_b + got.numel() - page])
+                got.add_(1)
+        changed = data.clone()
+        for lo in (0, 3 * page, 4 * page, page):
+            changed[lo : lo + page] += 1
+        assert torch.equal(tier.read("c", "moments", torch.empty_like(data)), changed)
+        assert tier.stats.peak_staging_bytes == 2 * 2 * page  # two slots of two pages
+        with pytest.raises(ValueError, match="'moments' of 'c'.* at 100 is not whole 4096"):
+            next(tier.stream([Extent("c", {"moments": ((100, page),)}, {"moments": page})],
+                             ["moments"]))  # fmt: skip
+        with pytest.raises(ValueError, match="within its 20,480 bytes"):
+            next(tier.stream([Extent("c", {"moments": ((5 * page, page),)}, {"moments": page})],
+                             ["moments"]))  # fmt: skip
 
 
 def test_a_read_only_stream_writes_nothing(tmp_path):

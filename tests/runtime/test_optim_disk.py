@@ -32,12 +32,12 @@ OPT = {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1, "clip_grad_norm": 0.5}
 STEPS = 3
 
 
-def plan(disk=None, masters: bool = True, **options) -> Plan:
+def plan(disk=None, masters: bool = True, piece: int | None = None, **options) -> Plan:
     budgets = {"roomy": roomy, "tight": tight}
     if options.get("device_memory") in budgets:
         options["device_memory"] = budgets[options["device_memory"]]()
-    if disk is not None and not masters:
-        disk = {"path": str(disk), "masters": False}
+    if disk is not None and (not masters or piece is not None):
+        disk = {"path": str(disk), "masters": masters, **({"piece": piece} if piece else {})}
     base = {"device_memory": "auto", "optimizer": OPT, "hybrid_adam": False}
     return Plan(**{**base, **options, "disk": disk})
 
@@ -77,6 +77,13 @@ def run(disk, **options) -> dict:
         out = {"losses": losses, **snapshot(e), "report": e.report()}
         out["on_disk"] = list(getattr(e.optimizer, "on_disk", []))
         out["kept"] = list(e.optimizer.device_chunks)
+        pieces = getattr(e.optimizer, "_pieces", {})
+        out["most_pieces"] = max(map(len, pieces.values()), default=0)  # of one chunk
+        starts = {c: {s.offset for s in e.optimizer.chunks.chunk(c).slots} for c in pieces}
+        out["split_parameters"] = sum(  # a piece that starts inside a parameter
+            p.lo not in starts[c] and p.fragments[0].offset == 0
+            for c, chunk_pieces in pieces.items() for p in chunk_pieces
+        )  # fmt: skip
         disk_tier = e.optimizer.disk
         out["stats"] = None if disk_tier is None else disk_tier.stats
         out["masters_on_disk"] = disk_tier is not None and e.chunks.masters_on_disk
@@ -99,6 +106,28 @@ CASES = {
         "optimizer": {**OPT, "accumulation_steps": 2},
     },
     "bf16, masters on the host": {"precision": "bf16", "masters": False},
+    # chunks of four pieces: runs split at the pieces' edges, parameters across them
+    "fp32, pieces": {"chunk_size": 16384, "piece": 4096},
+    "bf16, pieces, accumulation, paged": {
+        "precision": "bf16",
+        "device_memory": "tight",
+        "chunk_size": 16384,
+        "piece": 4096,
+        "optimizer": {**OPT, "accumulation_steps": 2},
+    },
+    "bf16 moments, pieces, masters on the host": {
+        "precision": "bf16",
+        "masters": False,
+        "chunk_size": 16384,
+        "piece": 4096,
+        "optimizer": {**OPT, "state_dtype": "bf16"},
+    },  # fmt: skip
+    "8-bit moments, whole chunks": {
+        "precision": "bf16",
+        "chunk_size": 16384,
+        "piece": 4096,
+        "optimizer": {**OPT, "state_dtype": "8bit"},
+    },  # fmt: skip
 }
 
 
@@ -123,6 +152,10 @@ def test_bitwise_against_the_host(case, tmp_path):
     stats = on_disk["stats"]
     assert on_disk["on_disk"] and stats.bytes_read > 0 and stats.bytes_written > 0
     assert "on the disk tier" in on_disk["report"]
+    if CASES[case].get("piece"):  # 8-bit moments: whole chunks (their absmax values' pages)
+        quantised = CASES[case].get("optimizer", {}).get("state_dtype") == "8bit"
+        assert on_disk["most_pieces"] == 1 if quantised else on_disk["most_pieces"] >= 3
+        assert quantised or on_disk["split_parameters"] > 0
     if case == "kept chunks beside":
         assert on_disk["kept"] and not set(on_disk["kept"]) & set(on_disk["on_disk"])
     low_precision = CASES[case].get("precision") in ("bf16", "fp16")
