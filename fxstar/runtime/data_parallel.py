@@ -277,8 +277,8 @@ class ChunkGroups:
     def reduce_to_owners(self, chunks: StepChunks) -> None:
         """Before the update: every owner holds the average of its chunks' gradients over the
         ranks, under the slots any rank gave one; the other ranks hold none (a payload room
-        that held a gradient has its parameters back)."""
-        chunks.wait_for_grads()
+        that held a gradient has its parameters back). The gradient copies have landed
+        (HybridAdam.step waits for them first)."""
         slots = [s for c in chunks.chunks if c.grad is not None
                  for s in c.slots if s.requires_grad]  # fmt: skip
         local = torch.tensor([chunks.has_grad(s) for s in slots], dtype=torch.bool)

@@ -312,6 +312,9 @@ class HybridAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        # a backward that raised leaves gradient copies in flight (its end's wait never ran):
+        # they land before anything reads them, also for a loop that steps this optimizer itself
+        self.chunks.wait_for_grads()
         groups = self.data_parallel
         if groups is not None:  # each owner gets its chunks' averaged gradients
             if groups.sharded:  # reduced during backward

@@ -27,10 +27,11 @@ restored; what failed (B: test_bitwise_against_the_cpu[case], by case):
   zero_grad, next-step and close tests after a backward that raised.
 - Engine.step's wait for the gradient copies (StepChunks.wait_for_grads, before the update
   reads them): test_engine_step_after_a_backward_that_raised_steps_the_gradients_that_arrived.
-- ChunkGroups.reduce_to_owners' StepChunks.wait_for_grads (replicated data parallel, in
-  HybridAdam's step: the first wait for a loop that steps engine.optimizer itself, where
-  engine.step() has waited already): data parallel (replicated, the optimizer's step after a
-  backward that raised on every rank).
+- HybridAdam.step's StepChunks.wait_for_grads (the first wait for a loop that steps
+  engine.optimizer itself, where engine.step() has waited already; ChunkGroups.reduce_to_owners
+  relies on it): test_the_optimizers_own_step_after_a_backward_that_raised_steps_what_arrived
+  and data parallel (replicated, the optimizer's step after a backward that raised on every
+  rank).
 - StepChunks.give_back's wait (a kept chunk given back between steps), and its unpin_all:
   test_kept_chunk_given_back_right_after_a_backward_that_raised_on_the_cpu_copy_thread, on
   the plain CPU, where a kept chunk's gradients are copied on the worker thread too. On the
@@ -475,6 +476,14 @@ def step_the_optimizer(engine) -> None:
     """A loop that drives the optimizer itself: HybridAdam reduces to the owners in its step."""
     engine.optimizer.step()
     engine.zero_grad()
+
+
+def test_the_optimizers_own_step_after_a_backward_that_raised_steps_what_arrived():
+    """A loop that steps engine.optimizer itself (no engine.step, no data parallelism): the
+    update waits for the gradient copies the raised backward left in flight."""
+    facts = check_after_a_raised_backward(options("overlapped gradient copies"),
+                                          step_the_optimizer)  # fmt: skip
+    assert facts["overlapped"]
 
 
 def data_parallel_after_a_raised_backward() -> None:
