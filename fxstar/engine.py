@@ -253,6 +253,8 @@ class Engine(nn.Module):
         buffers (the fp32 masters users see have no `.grad` there). Collective under tensor
         parallel: every rank gathers the shards. Under data parallelism they are this rank's
         own: the step reduces them to the chunks' owners (DeepSpeed's boundary)."""
+        if self.chunks is not None:  # the copies a backward that raised left in flight
+            self.chunks.step_chunks.wait_for_grads()
         grads = {n: p.grad for n, p in self.store.named_parameters()}
         if self.chunks is not None and self.chunks.low_precision:
             slots = self.chunks.layout.slots()

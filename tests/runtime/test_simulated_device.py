@@ -32,6 +32,9 @@ restored; what failed (B: test_bitwise_against_the_cpu[case], by case):
   relies on it): test_the_optimizers_own_step_after_a_backward_that_raised_steps_what_arrived
   and data parallel (replicated, the optimizer's step after a backward that raised on every
   rank).
+- Engine.gradients' wait for the gradient copies:
+  test_gradients_read_after_a_backward_that_raised_are_those_that_arrived (a parameter's
+  `.grad` read directly, a view of a chunk's gradient buffer, has no call to wait in).
 - StepChunks.give_back's wait (a kept chunk given back between steps), and its unpin_all:
   test_kept_chunk_given_back_right_after_a_backward_that_raised_on_the_cpu_copy_thread, on
   the plain CPU, where a kept chunk's gradients are copied on the worker thread too. On the
@@ -484,6 +487,19 @@ def test_the_optimizers_own_step_after_a_backward_that_raised_steps_what_arrived
     facts = check_after_a_raised_backward(options("overlapped gradient copies"),
                                           step_the_optimizer)  # fmt: skip
     assert facts["overlapped"]
+
+
+def test_gradients_read_after_a_backward_that_raised_are_those_that_arrived():
+    seen = []
+
+    def read(engine) -> None:
+        seen.append({n: g.clone() for n, g in engine.gradients().items() if g is not None})
+        engine.zero_grad()
+
+    facts = check_after_a_raised_backward(options("overlapped gradient copies"), read)
+    simulated, on_the_cpu = seen
+    assert facts["overlapped"] and simulated.keys() == on_the_cpu.keys() and simulated
+    assert all(torch.equal(simulated[n], on_the_cpu[n]) for n in simulated)
 
 
 def data_parallel_after_a_raised_backward() -> None:
