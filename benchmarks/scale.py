@@ -20,7 +20,8 @@
     python benchmarks/scale.py                    # ~85M parameters, 2 steps; 0.1B..8B compiles
     python benchmarks/scale.py --layers 24 --width 1024 --heads 16 --batch-size 2 \
         --seq-len 128 --device-memory 1GiB --json scale.json   # the issue's 311M GPT
-    python benchmarks/scale.py --largest --compile-sizes "" --runs ""   # part 3 (~30 min)
+    python benchmarks/scale.py --largest --compile-sizes "" --runs "" --batch-size 2 \
+        --seq-len 128 --reserve 3.04   # part 3 within 20.5 GiB of a 23.5 GiB machine (~1 h)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from gpt_setup import add_gpt_args, make_gpt
 
 import fxstar
+from fxstar.passes.chunk_layout import ChunkLayoutError
 
 RUNS = ("eager", "fxstar fp32", "fxstar fp32 meta+safetensors", "fxstar bf16",
         "fxstar bf16 meta+safetensors")  # fmt: skip
@@ -87,7 +89,9 @@ def one_run(run: str, args: argparse.Namespace, weights: str) -> dict:
         source = "init" if "init" in run else weights if "meta" in run else None
         try:
             engine = fxstar.compile(model, plan, (idx, targets), weights=source)
-        except fxstar.HostMemoryError as error:  # part 3: it does not fit, said at compile
+        # part 3: it does not fit, said at compile: the host budget, or the arena (the compute
+        # tier: it holds the activations too, which grow with the depth)
+        except (fxstar.HostMemoryError, ChunkLayoutError) as error:
             return {"run": run, "params": params, "refused": str(error)}
         compile_peak = peak_rss()
     compile_seconds = time.perf_counter() - start
@@ -256,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.seq_len}; fxstar's arena {LARGEST_ARENA})")  # fmt: skip
         print(f"{'run':<24} {'layers':>6} {'params':>8} {'peak RSS':>9} {'MiB/layer':>9}")
         for r in big:
+            bound = "  (the free disk's cap)" if r.get("disk_cap_layers") == r["layers"] else ""
             print(f"{r['run']:<24} {r['layers']:>6} {r['params'] / 1e9:>7.2f}B "
-                  f"{r['peak'] / 2**30:>7.2f}GiB {r['bytes_per_layer'] / 2**20:>9.0f}")  # fmt: skip
+                  f"{r['peak'] / 2**30:>7.2f}GiB {r['bytes_per_layer'] / 2**20:>9.0f}"
+                  f"{bound}")  # fmt: skip
         print(
             f"fxstar over eager, parameters: {big[1]['params'] / big[0]['params']:.2f}x "
             "(target: at least 1.1x); with the disk tier "
@@ -294,7 +300,11 @@ def child(what: str, argv: list[str] | None, weights: str, *extra: str,
         if process.returncode != 0:
             raise SystemExit(f"{what} failed:\n{err.read()[-3000:]}")
         row = json.loads(out.read().strip().splitlines()[-1])
-        return None if "refused" in row else row
+        if "refused" in row:
+            print(f"  {what}: refused at compile: {row['refused'].splitlines()[0][:160]}",
+                  flush=True)  # fmt: skip
+            return None
+        return row
 
 
 def _status_bytes(pid: int, field: str) -> int:
@@ -353,22 +363,58 @@ def largest(args: argparse.Namespace, argv: list[str]) -> list[dict]:
         small, larger = at(2, None), at(4, None)
         per_layer = (larger["peak"] - small["peak"]) / 2
         depth = int((limit - small["peak"]) / per_layer) + 2
+        cap = None
         if "disk" in run:  # the disk holds 12 bytes a parameter: it may bind before memory
             layer_params = (larger["params"] - small["params"]) / 2
             free = shutil.disk_usage(args.disk_dir).free - 2**30
-            depth = min(depth, int(free / DISK_BYTES_PER_PARAM / layer_params))
+            cap = int(free / DISK_BYTES_PER_PARAM / layer_params)
+            depth = min(depth, cap)
             print(f"  {run}: {free / 2**30:.0f} GiB free under {args.disk_dir} hold "
-                  f"{depth} layers' disk-tier state", flush=True)  # fmt: skip
-        best, row = None, at(depth)
-        while row is None and depth > 4:  # the prediction overshot: one layer less at a time
-            depth -= 1
-            row = at(depth)
-        while row is not None:  # it fits: one more layer, until one does not
-            best = row | {"layers": depth}
-            depth += 1
-            row = at(depth)
-        results.append(best | {"run": run, "limit": limit, "bytes_per_layer": per_layer})
+                  f"{cap} layers' disk-tier state", flush=True)  # fmt: skip
+        best = deepest(at, depth, cap)
+        results.append(best | {"run": run, "limit": limit, "bytes_per_layer": per_layer,
+                               "disk_cap_layers": cap})  # fmt: skip
     return results
+
+
+def deepest(at, depth: int, cap: int | None, floor: int = 4) -> dict:
+    """The deepest run that fits (`at(layers)`: its row, None when it does not fit), from a
+    predicted `depth`: away from it in doubling steps (up to `cap`, down to `floor`) until
+    one run fits and one does not, then halving between them. A small depth predicts a disk
+    run's memory poorly (most of its state is on the disk), and each run of a multi-billion
+    model takes minutes: few runs, none twice."""
+    rows: dict[int, dict | None] = {}
+
+    def fits_at(layers: int) -> bool:
+        rows[layers] = at(layers)
+        return rows[layers] is not None
+
+    step = 1
+    if fits_at(depth):
+        fits, fails = depth, None
+        while fails is None and (cap is None or fits < cap):
+            layers = fits + step if cap is None else min(fits + step, cap)
+            if fits_at(layers):
+                fits, step = layers, 2 * step
+            else:
+                fails = layers
+    else:
+        fits, fails = None, depth
+        while fits is None:
+            layers = max(fails - step, floor)
+            if fits_at(layers):
+                fits = layers
+            elif layers == floor:
+                raise RuntimeError(f"no depth from {floor} layers up fits")
+            else:
+                fails, step = layers, 2 * step
+    while fails is not None and fails - fits > 1:
+        layers = (fits + fails) // 2
+        if fits_at(layers):
+            fits = layers
+        else:
+            fails = layers
+    return rows[fits] | {"layers": fits}
 
 
 if __name__ == "__main__":

@@ -107,8 +107,11 @@ def _plan(args: argparse.Namespace, base: Plan | None = None) -> Plan:
     changes = {}
     if getattr(args, "passes", None):
         changes["passes"] = [*plan.passes, *(p for p in args.passes.split(",") if p)]
-    if getattr(args, "lr", None) is not None:
-        changes["optimizer"] = dataclasses.replace(plan.optimizer, lr=args.lr)
+    optimizer = {k: getattr(args, k, None) for k in ("lr", "state_dtype")}
+    if any(v is not None for v in optimizer.values()):
+        changes["optimizer"] = dataclasses.replace(
+            plan.optimizer, **{k: v for k, v in optimizer.items() if v is not None}
+        )
     if getattr(args, "device_memory", None) is not None:
         changes["device_memory"] = args.device_memory
     if getattr(args, "disk", None) is not None:
@@ -395,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"{what} (default {default}; the GPT's {paged} with a "
                            "share)")  # fmt: skip
     steps.add_argument("--lr", type=float, help="learning rate (default: the plan's)")
+    steps.add_argument("--state-dtype", choices=("fp32", "bf16", "8bit"),
+                       help="Adam's moments in fp32 (8 bytes a parameter), bf16 (4) or 8-bit "
+                       "blockwise (about 2); default: the plan's")  # fmt: skip
     steps.add_argument("--seed", type=int, default=0, help="weights, batches, dropout (0)")
     memory = p.add_argument_group("plan and memory")
     memory.add_argument("--plan", metavar="PLAN.json", help="plan options as JSON")

@@ -132,10 +132,12 @@ def test_train_timeline_needs_the_chunk_engine(tmp_path, capsys):
 
 def test_train_with_the_disk_tier_leaves_nothing_behind(tmp_path, capsys):
     state = tmp_path / "state"
-    args = ["train", "--steps", "2", *SMALL, "--device-memory", "auto", "--disk", str(state)]
+    args = ["train", "--steps", "2", *SMALL, "--device-memory", "auto", "--disk", str(state),
+            "--state-dtype", "bf16", "--lr", "0.002"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "on the disk tier" in out and f"disk tier {state}" in out
+    assert "optimizer state: bf16 Adam moments" in out
     assert not state.exists()
     assert main(["train", "--steps", "1", *SMALL, "--disk", str(state)]) == 2
     assert "disk: the disk tier holds" in capsys.readouterr().err

@@ -199,6 +199,56 @@ def test_the_directory_belongs_to_one_engine_and_user_files_stay(tmp_path):
     assert any(p.name.endswith("-moments.bin") for p in kept.iterdir())
 
 
+KILLED_MID_STEP = """
+import os, signal, sys
+sys.path.insert(0, {tests!r}); sys.path.insert(0, {here!r})
+import fxstar
+from conftest import example, tiny_gpt, tokens
+from fxstar.runtime import disk_pieces
+from test_optim_disk import plan, train
+
+with fxstar.compile(tiny_gpt(), plan({state!r}, **{options!r}), **example("gpt", *tokens())) as e:
+    train(e, range(2))
+    e.save({ckpt!r})
+    spans, reached = disk_pieces.PieceStream.spans, []
+
+    def spans_then_die(self, chunk_id, span):
+        for piece in spans(self, chunk_id, span):
+            yield piece
+            reached.append(piece)
+            if len(reached) == 3:  # some pieces written back, one read ahead, the rest not
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    disk_pieces.PieceStream.spans = spans_then_die
+    train(e, range(2, 3))
+"""
+
+
+def test_a_run_killed_mid_step_resumes_from_its_last_checkpoint_bitwise(tmp_path):
+    """The process dies inside a step's stream (its files half stepped, its lock left): an
+    engine on the same directory loads the last checkpoint and continues as the run that
+    was not killed does."""
+    import subprocess
+    import sys
+
+    options = {"precision": "bf16", "chunk_size": 16384, "piece": 4096}
+    state, ckpt = tmp_path / "state", tmp_path / "ckpt"
+    script = KILLED_MID_STEP.format(tests=os.path.dirname(os.path.dirname(__file__)),
+                                    here=os.path.dirname(__file__), state=str(state),
+                                    options=options, ckpt=str(ckpt))  # fmt: skip
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert any(state.glob("*-moments.bin"))  # what it left
+    with fxstar.compile(tiny_gpt(), plan(state, **options), **example("gpt", *tokens())) as e:
+        train(e, range(2))
+        expected = {"losses": train(e, range(2, 4)), **snapshot(e)}
+    with fxstar.compile(tiny_gpt(1), plan(state, **options), **example("gpt", *tokens())) as e:
+        e.load(ckpt)
+        got = {"losses": train(e, range(2, 4)), **snapshot(e)}
+    assert_same(got, expected)
+    assert not any(state.iterdir())  # the killed run's files too: the tier made them again
+
+
 def test_a_damaged_part_is_a_named_error_at_the_step_and_the_checkpoint_survives(tmp_path):
     directory = tmp_path / "state"
     with fxstar.compile(tiny_gpt(), plan(directory), **example("gpt", *tokens())) as e:
