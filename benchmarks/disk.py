@@ -62,16 +62,19 @@ class Result:
     host_bytes_per_param: float  # host tier, model state
     disk_bytes_per_param: float  # with the disk tier: what stays on the host
     slot_bytes: int  # the disk tier's host slots at their peak, measured
+    # per state dtype: bytes per parameter of the moments and of the masters on the disk tier
+    disk_part_bytes_per_param: dict[str, dict[str, float]]
 
 
 def stats(values: list[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
 
 
-def engine(args, disk: str | None):
+def engine(args, disk: str | None, state_dtype: str = "fp32"):
     model, idx, targets = make_gpt(args)
+    optimizer = {"type": "adamw", "lr": 1e-4, "state_dtype": state_dtype}
     plan = fxstar.Plan(device_memory="auto", precision=args.precision, hybrid_adam=False,
-                       optimizer={"type": "adamw", "lr": 1e-4}, disk=disk)  # fmt: skip
+                       optimizer=optimizer, disk=disk)  # fmt: skip
     return fxstar.compile(model, plan, example_inputs=(idx, targets)), idx, targets
 
 
@@ -80,6 +83,28 @@ def step(e, idx, targets) -> float:
     e(idx, targets).backward()
     e.step()
     return time.perf_counter() - start
+
+
+def part_bytes_per_param(e) -> dict[str, float]:
+    """The disk tier's files per part (moments, master), per parameter they hold state of."""
+    tier = e.optimizer.disk
+    params = sum(s.numel for c in e.optimizer.on_disk for s in e.chunks.step_chunks.chunk(c).slots)
+    sizes: dict[str, int] = {}
+    for (_, part), file in tier.files.items():
+        sizes[part] = sizes.get(part, 0) + file.size
+    return {part: n / params for part, n in sorted(sizes.items())}
+
+
+def lean_parts(args, work: str) -> dict[str, dict[str, float]]:
+    """The disk tier's bytes per parameter with bf16 and 8-bit moments (after a step: the
+    moments' files are made at the first)."""
+    parts = {}
+    for state_dtype in ("bf16", "8bit"):
+        e, idx, targets = engine(args, os.path.join(work, state_dtype), state_dtype)
+        with e:
+            step(e, idx, targets)
+            parts[state_dtype] = part_bytes_per_param(e)
+    return parts
 
 
 def host_per_param(e) -> float:
@@ -172,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             throughput_ratio=stats([s / p for s, p in zip(streamed, plained, strict=True)]),
             host_bytes_per_param=host_per_param(host), disk_bytes_per_param=host_per_param(disk),
             slot_bytes=tier.stats.peak_staging_bytes,
+            disk_part_bytes_per_param={"fp32": part_bytes_per_param(disk),
+                                       **lean_parts(args, work)},
         )  # fmt: skip
         host.close()
         disk.close()
@@ -208,6 +235,10 @@ def report(args, r: Result) -> None:
           "(target <= 4: the payload, whose room the gradient takes, and the tier's host "
           f"slots: {r.slot_bytes / mib:.1f} MiB at their peak, "
           f"{r.slot_bytes / r.params:.2f} per parameter)")  # fmt: skip
+    for state_dtype, parts in r.disk_part_bytes_per_param.items():
+        print(f"{state_dtype} moments: bytes per parameter on the disk tier "
+              + ", ".join(f"{part} {n:.2f}" for part, n in parts.items())
+              + " (their 300-step loss against fp32: benchmarks/lean_state.py)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,4 +18,7 @@ def test_the_disk_benchmark_runs_small(tmp_path, monkeypatch):
     assert r["bytes_read_per_step"] + r["bytes_written_per_step"] == r["minimum_per_step"] > 0
     assert r["disk_bytes_per_param"] < r["host_bytes_per_param"]
     assert r["stream_bytes_per_s"] > 0 and r["plain_bytes_per_s"] > 0
+    parts = r["disk_part_bytes_per_param"]  # the moments' bytes by state dtype, masters alike
+    assert parts["8bit"]["moments"] < parts["bf16"]["moments"] < parts["fp32"]["moments"]
+    assert parts["fp32"]["moments"] >= 8 and parts["8bit"]["master"] == parts["fp32"]["master"]
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # its files removed
