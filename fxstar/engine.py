@@ -53,6 +53,7 @@ from fxstar.program import EXPORT, Program
 from fxstar.runtime.chunks import ChunkManager
 from fxstar.runtime.layout import ChunkPlan
 from fxstar.runtime.loss_scale import LossScaler
+from fxstar.runtime.state_guard import StateGuard
 from fxstar.runtime.step_check import begin_forward
 from fxstar.step_lock import StepLock, whole_state
 from fxstar.topology import Topology
@@ -124,6 +125,8 @@ class Engine(nn.Module):
         self._closed = False
         self._builds_cache = builds_cache(model)
         self.step_lock = StepLock()  # forward and step: one thread at a time, a step its own
+        # a step or load stopped halfway: nothing reads or trains on what it left
+        self.state_guard = StateGuard()
         self._fed: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # compiler.check_model
         # sharded payloads: the chunk plans the ranks agreed on, by id (held: ids stay theirs)
         self._agreed_plans: dict[int, ChunkPlan] = {}
@@ -135,6 +138,7 @@ class Engine(nn.Module):
             raise EngineStateError("the engine was closed; compile the model again to train on")
         with self.step_lock:
             self.step_lock.refuse_other_threads_step()
+            self.state_guard.check("engine forward")
             output = self._forward(args, kwargs)
             if torch.is_grad_enabled():  # a graph to run backward on: this thread's step
                 self.step_lock.open_step()
@@ -235,6 +239,7 @@ class Engine(nn.Module):
         # happened, so that other threads may train.
         with self.step_lock:
             try:
+                self.state_guard.check("engine.step")
                 self._micro_steps += 1
                 if self._micro_steps % self.plan.optimizer.accumulation_steps:
                     return False  # the gradients go on summing
@@ -325,7 +330,7 @@ class Engine(nn.Module):
 
         return str(save(self, path))
 
-    @whole_state
+    @whole_state(writes=True)
     def load(self, path: str | os.PathLike, *, strict: bool = True, rng: bool = True) -> Any:
         """Restore a checkpoint in place: parameters, optimizer, scheduler, step and RNG.
         Returns the `fxstar.saving.Checkpoint` read; the parameters are read one tensor at a
@@ -399,7 +404,7 @@ class Engine(nn.Module):
         finally:
             self._local_depth -= 1
 
-    @whole_state
+    @whole_state(writes=True)
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 

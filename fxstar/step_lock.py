@@ -75,16 +75,22 @@ class StepLock:
         return owner
 
 
-def whole_state(method: Callable) -> Callable:
+def whole_state(method: Callable | None = None, *, writes: bool = False) -> Callable:
     """`method` of an Engine runs between steps (StepLock.between_steps): reads and writes of
     the whole training state; the pages of the disk tier's mapped masters it touched go back
-    to the host after it (Engine.release_mapped_pages)."""
+    to the host after it (Engine.release_mapped_pages). A reader (`writes` False) is refused
+    on a state a step or load left half written (Engine.state_guard); a writer may replace it."""
+    if method is None:
+        return functools.partial(whole_state, writes=writes)
 
     @functools.wraps(method)
     def whole(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self.step_lock.between_steps():
+            if not writes:
+                self.state_guard.check(f"engine.{method.__name__}")
             try:
-                return method(self, *args, **kwargs)
+                with self.state_guard.loading() if writes else contextlib.nullcontext():
+                    return method(self, *args, **kwargs)
             finally:
                 self.release_mapped_pages()
 

@@ -42,7 +42,7 @@ def make_optimizer(engine: Engine) -> torch.optim.Optimizer:
             accumulation_steps=opt.accumulation_steps,
             host_budget=placement.HostBudget(plan, engine.program),
             data_parallel=chunks.data_parallel, state_dtype=opt.state_dtype,
-            disk=chunks.disk,
+            disk=chunks.disk, state_guard=engine.state_guard,
             **({"disk_piece": plan.disk.piece} if plan.disk is not None else {}),
         )  # fmt: skip
     if chunks is not None and chunks.low_precision:
@@ -68,7 +68,8 @@ def update(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
     clip = engine.plan.optimizer.clip_grad_norm
     if clip is not None:
         model_grad_norm(engine, own_chunks=False).clip_(params, clip)
-    return optimizer.step() is not False
+    with engine.state_guard.writing("the optimizer step"):
+        return optimizer.step() is not False
 
 
 def model_grad_norm(engine: Engine, *, own_chunks: bool) -> GradNorm:

@@ -47,6 +47,7 @@ from fxstar.runtime.host import host_empty
 from fxstar.runtime.layout import ParamSlot
 from fxstar.runtime.loss_scale import LossScaler
 from fxstar.runtime.moments import MOMENT_KEYS, AdamMoments
+from fxstar.runtime.state_guard import StateGuard
 from fxstar.runtime.step_chunks import StepChunks
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ class HybridAdam(torch.optim.Optimizer):
         state_dtype: str = "fp32",
         disk: DiskTier | None = None,
         disk_piece: int = 1 << 21,
+        state_guard: StateGuard | None = None,
     ):
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.chunks = chunks
@@ -97,6 +99,8 @@ class HybridAdam(torch.optim.Optimizer):
         self.disk_piece = disk_piece  # elements of a chunk a step's stream holds at a time
         self._pieces: dict[int, list[Piece]] = {}  # a disk-homed chunk's pieces
         self.data_parallel = data_parallel  # the chunk owners and their collectives
+        # a step stopped halfway is recorded there (the engine's: it refuses to go on)
+        self.state_guard = state_guard or StateGuard()
         self.adamw = adamw
         self.clip_grad_norm = clip_grad_norm
         self.scaler = scaler
@@ -309,6 +313,7 @@ class HybridAdam(torch.optim.Optimizer):
     def step(self, closure=None) -> bool:
         """One update of every parameter that has a gradient; False when an overflow skipped
         it. The clip norm and the overflow are decided over all gradients first."""
+        self.state_guard.check("HybridAdam.step")
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -353,17 +358,24 @@ class HybridAdam(torch.optim.Optimizer):
                 grad_scale *= clip_coefficient(self.clip_grad_norm, self.last_grad_norm)
         spans = [(self._slots[id(params[0])].chunk, span) for params, _, span, _ in runs
                  if span is not None]  # fmt: skip
-        with self.stream_pieces(spans) as stream:
-            touched = self._update(runs, grads, grad_scale, stream)
-        for chunk_id in touched:
-            self.chunks.stepped(self.chunks.chunk(chunk_id))
-        if groups is not None and groups.sharded:  # fetched from the owners from now on
-            groups.updated(self.chunks)
-        elif groups is not None:  # the owners' updates to every replica
-            groups.share_updates(self.chunks)
+        with self.state_guard.writing(f"the optimizer step {self._step_number(runs)}"):
+            with self.stream_pieces(spans) as stream:
+                touched = self._update(runs, grads, grad_scale, stream)
+            for chunk_id in touched:
+                self.chunks.stepped(self.chunks.chunk(chunk_id))
+            if groups is not None and groups.sharded:  # fetched from the owners from now on
+                groups.updated(self.chunks)
+            elif groups is not None:  # the owners' updates to every replica
+                groups.share_updates(self.chunks)
         if self.disk is not None:  # the masters' pages read or written since (the forwards
             self.disk.unmap_pages()  # of an accumulation, a replica's update) back to the host
         return True
+
+    def _step_number(self, runs: list) -> int:
+        """The number the step about to be taken gives its parameters (their count of updates
+        plus one; every parameter of the model alike)."""
+        steps = [self.state[params[0]].get("step", 0) for params, _, _, _ in runs]
+        return int(max(steps, default=0)) + 1
 
     def _update(self, runs: list, grads: list[torch.Tensor], grad_scale: float,
                 stream: PieceStream | None) -> set[int]:  # fmt: skip
@@ -629,7 +641,10 @@ class HybridAdam(torch.optim.Optimizer):
         self._load_moments(state_dict)
 
     def _load_moments(self, state_dict: dict[str, Any]) -> None:
-        views = {id(p): dict(s) for p, s in self.state.items()}
+        """A parameter the saved state has no entry for was saved before its first update
+        (torch's optimizers make state at a parameter's first step): its moments start again
+        from zero, as a new optimizer's, not left as this run's."""
+        own = {id(p): (p, dict(s)) for p, s in self.state.items()}
         # the moments bypass torch's loading, which would cast each to its parameter's dtype
         # first (8-bit codes to fp32: 4 bytes of host memory where the state keeps 1)
         state_dict, saved = _moments_apart(state_dict)
@@ -637,33 +652,45 @@ class HybridAdam(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         moments_of = {id(p): saved[i] for i, p in zip(ids, params, strict=False) if i in saved}
         super().load_state_dict(state_dict)
-        on_disk = set(self.on_disk)
-        for param in list(self.state):
-            loaded, chunked = self.state[param], views.get(id(param))
-            if chunked is None and id(param) in self._in_chunks:
+        loaded = {id(p): s for p, s in self.state.items()}
+        for param, entry in list(self.state.items()):
+            if id(param) in own:
+                continue
+            if id(param) in self._in_chunks:
                 del self.state[param]  # data parallel: another rank's chunk, its owner's state
-                continue
-            if chunked is None:
-                loaded.update(moments_of.get(id(param), {}))
-                continue
-            slot = self._slots.get(id(param))  # None: a parameter outside the chunks
+            else:
+                entry.update(moments_of.get(id(param), {}))
+        # what each of this rank's parameters gets: its saved moments, or None (fresh)
+        restored = {i: moments_of.get(i, {}) if i in loaded else None for i in own}
+        on_disk = set(self.on_disk)
+        for param_id, (param, chunked) in own.items():
+            slot = self._slots.get(param_id)  # None: a parameter outside the chunks
             if slot is None or slot.chunk not in on_disk:  # the disk tier's: below
-                self.moments.load(chunked, moments_of.get(id(param), {}))
-            chunked["step"] = torch.as_tensor(loaded["step"], dtype=torch.float32).clone()
+                self._restore(chunked, restored[param_id])
+            step = loaded[param_id]["step"] if param_id in loaded else 0
+            chunked["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
             self.state[param] = chunked
         if on_disk:
-            self._load_disk_moments(moments_of)
+            self._load_disk_moments(restored)
 
-    def _load_disk_moments(self, moments_of: dict[int, dict[str, Any]]) -> None:
-        """The saved moments of the disk-homed chunks' parameters (by id(param)) into their
-        parts, a chunk at a time."""
-        loaded = {id(p) for p in self.state}
+    def _restore(self, moments: dict[str, torch.Tensor], saved: dict[str, Any] | None) -> None:
+        """Saved moments into a parameter's own tensors; None: none saved, zeros (fresh)."""
+        if saved is not None:
+            self.moments.load(moments, saved)
+            return
+        for key in MOMENT_KEYS:
+            if key in moments:
+                moments[key].zero_()
+
+    def _load_disk_moments(self, restored: dict[int, dict[str, Any] | None]) -> None:
+        """What `restored` gives the disk-homed chunks' parameters (by id(param): saved
+        moments, or None for zeros) into their parts, a chunk at a time."""
 
         def load(chunk: Chunk, views: list[dict[str, torch.Tensor]]) -> None:
             for slot, moments in zip(chunk.slots, views, strict=True):
-                param = self.chunks.param(slot)
-                if id(param) in loaded and id(param) in self._slots:
-                    self.moments.load(moments, moments_of.get(id(param), {}))
+                param_id = id(self.chunks.param(slot))
+                if param_id in restored:
+                    self._restore(moments, restored[param_id])
 
         self._disk_moments().rewrite(self.on_disk, load)
 

@@ -145,9 +145,11 @@ class Checkpoint:
             rank = world.rank() if ranks != 1 and world.ranks == ranks else 0
             state = self.state if rank == 0 else layout_of(self.meta).state_of_rank(self, rank)
         optimizer_state = fitted(view, state, strict=strict, rng=rng, file=self.path / STATE)
-        view.copy_parameters(self.parameters_one_by_one())  # a rank's shards cut by the store
-        view.zero_grad()
-        restore(view, state, optimizer_state, rng=rng)
+        # checked: from here the engine's state is written, whole only once all of it is
+        with engine.state_guard.writing(f"engine.load of {self.path}", replaces=True):
+            view.copy_parameters(self.parameters_one_by_one())  # a rank's shards cut by the store
+            view.zero_grad()
+            restore(view, state, optimizer_state, rng=rng)
 
 
 def mismatches(

@@ -14,8 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fxstar.checkpoint_values import check_fits
 from fxstar.errors import CheckpointError
+from fxstar.runtime.moments import MOMENT_KEYS
 from fxstar.runtime.optim import HybridAdam
 from fxstar.saving.file_format import STATE
 from fxstar.saving.rng import check_stream, rng_state, set_rng_state, set_stream_state, stream_state
@@ -83,8 +86,24 @@ def fitted(view: TrainingView, state: Mapping[str, Any], *, strict: bool, rng: b
                 f"parameters, the optimizer's {[len(g['params']) for g in groups]}"
             )
         params = [p for g in groups for p in g["params"]]
+        check_same_optimizer(view.optimizer, optimizer_state, file or Path(STATE))
         check_fits(optimizer_state, params, objects, state, file or Path(STATE))
     return optimizer_state
+
+
+def check_same_optimizer(optimizer: Any, optimizer_state: Mapping[str, Any], file: Path) -> None:
+    """Adam's state into Adam, another's into its own: SGD's momentum loaded into Adam (or
+    Adam's moments into SGD) would be dropped or misread, and the run go on from fresh state."""
+    adam = isinstance(optimizer, (HybridAdam, torch.optim.Adam, torch.optim.AdamW))
+    for index, entry in optimizer_state.get("state", {}).items():
+        keys = set(entry) - {"step"}
+        if keys and bool(keys & set(MOMENT_KEYS)) != adam:
+            saved_by = "an optimizer other than Adam" if adam else "Adam"
+            raise CheckpointError(
+                f"{file}: optimizer.state[{index}] holds {sorted(keys)}, the state of "
+                f"{saved_by}, but this engine's optimizer is {type(optimizer).__name__}: "
+                "load it into an engine compiled with the optimizer.type that saved it"
+            )
 
 
 def restore(view: TrainingView, state: Mapping[str, Any], optimizer_state: dict[str, Any], *,

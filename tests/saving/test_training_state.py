@@ -111,3 +111,48 @@ def test_moments_of_another_shape_are_refused_before_anything_is_restored(saved,
     with pytest.raises(fxstar.CheckpointError, match=r"exp_avg: must have its parameter's shape"):
         engine.load(path)
     assert equal(engine.state_dict(), before)
+
+
+STEP_ZERO_PLANS = {
+    "fp32 chunks": {},
+    "bf16": {"precision": "bf16"},
+    "8-bit moments": {"precision": "bf16", "optimizer": {**OPTIMIZER, "state_dtype": "8bit"}},
+    "bf16, disk tier": {"precision": "bf16", "disk": "state"},
+}
+
+
+@pytest.mark.parametrize("options", STEP_ZERO_PLANS.values(), ids=STEP_ZERO_PLANS.keys())
+def test_a_checkpoint_saved_before_the_first_step_starts_the_optimizer_again(options, tmp_path):
+    """Saved before any update, the optimizer state has no entries: loaded into an engine
+    that trained, its moments start from zero as a fresh engine's do (not this run's)."""
+    if "disk" in options:
+        options = {**options, "disk": str(tmp_path / options["disk"])}
+    plan = Plan(**{"optimizer": OPTIMIZER, "device_memory": "auto", "chunk_size": 16384,
+                   **options})  # fmt: skip
+    runs = []
+    for trained in (True, False):  # the second never trained nor loaded
+        engine, scheduler = build(plan)
+        if trained:
+            engine.save(tmp_path / "step0")
+            train(engine, scheduler, range(2))
+            engine.load(tmp_path / "step0")
+        runs.append(train(engine, scheduler, range(2, 4)) + [*engine.state_dict().values()])
+        engine.close()
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_another_optimizers_state_is_refused_before_anything_is_restored(tmp_path):
+    """SGD's momentum into Adam (or Adam's moments into SGD) would be dropped or misread."""
+    sgd, adam = Plan(optimizer={"type": "sgd", "lr": 0.1}), Plan(optimizer=OPTIMIZER)
+    for saving, loading in ((sgd, adam), (adam, sgd)):
+        engine, scheduler = build(saving)
+        train(engine, scheduler, range(1))
+        engine.save(tmp_path / "other")
+        engine, scheduler = build(loading)
+        train(engine, scheduler, range(1))
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        with pytest.raises(fxstar.CheckpointError, match=r"optimizer.state\[0\] holds .* but "
+                           "this engine's optimizer is"):  # fmt: skip
+            engine.load(tmp_path / "other")
+        assert equal(engine.state_dict(), before)  # and the state is whole: it reads
+        train(engine, scheduler, range(1, 2))
