@@ -713,6 +713,23 @@ class HybridAdam(torch.optim.Optimizer):
                                  if id(self.chunks.param(s)) in self._slots)  # fmt: skip
         return {tier: (nbytes, params) for tier, (nbytes, params) in held.items()}
 
+    def _masters_by_tier(self) -> dict[str, int]:
+        """The parameters whose fp32 masters each tier holds: a kept chunk's on the compute
+        tier, a disk-homed chunk's on the disk tier when plan.disk holds masters, else the
+        host's."""
+        held: dict[str, int] = {}
+        for chunk in self.chunks.own_trainable():
+            if chunk.kept:
+                tier = "compute"
+            elif self.disk is not None and self.disk.has(chunk.id, MASTER_PART):
+                tier = "disk"
+            else:
+                tier = "host"
+            held[tier] = held.get(tier, 0) + sum(
+                s.numel for s in chunk.slots if id(self.chunks.param(s)) in self._slots
+            )
+        return held
+
     def describe_state(self) -> str:
         """The report's line: the moments' format and their bytes per parameter on each
         tier."""
@@ -723,9 +740,10 @@ class HybridAdam(torch.optim.Optimizer):
             " and ".join(tiers) or "none"
         )
         if self.chunks.layout.dtype != torch.float32:
-            tier = "disk" if self.disk is not None and self.on_disk and self.disk.has(
-                self.on_disk[0], MASTER_PART) else "host"  # fmt: skip
-            line += f"; the fp32 masters take 4 bytes per parameter on the {tier} tier"
+            line += "; the fp32 masters take 4 bytes per parameter " + " and ".join(
+                f"on the {tier} tier ({params:,} parameters)"
+                for tier, params in self._masters_by_tier().items()
+            )
         if self.disk is not None:
             kept = (
                 f"; kept on the compute tier: chunks {self.device_chunks}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import weakref
 
 import pytest
@@ -158,6 +159,8 @@ def test_bitwise_against_the_host(case, tmp_path):
         assert quantised or on_disk["split_parameters"] > 0
     if case == "kept chunks beside":
         assert on_disk["kept"] and not set(on_disk["kept"]) & set(on_disk["on_disk"])
+        masters_line = r"fp32 masters take 4 bytes per parameter on the compute tier \([\d,]+ "
+        assert re.search(masters_line + r"parameters\) and on the disk tier", on_disk["report"])
     low_precision = CASES[case].get("precision") in ("bf16", "fp16")
     masters = low_precision and CASES[case].get("masters", True)
     assert on_disk["masters_on_disk"] == masters
