@@ -234,18 +234,25 @@ class Engine(nn.Module):
         """One optimizer step every `accumulation_steps` calls (gradients summed meanwhile),
         with gradient clipping if planned, then gradients zeroed. True when it stepped. Safe
         to call from several threads: steps run one after the other."""
-        # Why this order: the step is counted first (a checkpoint saves the count), the update
-        # reads the summed gradients before they are dropped, and the step ends, whatever
-        # happened, so that other threads may train.
+        # Why this order: the step is counted first (a checkpoint saves the count) and
+        # uncounted when the update raised before writing anything (called again, it takes
+        # this step with the gradients summed so far); the update reads the summed gradients
+        # before they are dropped; the step ends, whatever happened, so that other threads
+        # may train.
         with self.step_lock:
             try:
                 self.state_guard.check("engine.step")
                 self._micro_steps += 1
                 if self._micro_steps % self.plan.optimizer.accumulation_steps:
                     return False  # the gradients go on summing
-                if self.chunks is not None:  # a backward that raised left its copies in flight
-                    self.chunks.step_chunks.wait_for_grads()
-                stepped = update(self, self.optimizer)
+                try:
+                    if self.chunks is not None:  # a backward that raised left copies in flight
+                        self.chunks.step_chunks.wait_for_grads()
+                    stepped = update(self, self.optimizer)
+                except BaseException:
+                    if self.state_guard.stopped is None:  # nothing written: not taken
+                        self._micro_steps -= 1
+                    raise
                 self.zero_grad(set_to_none=True)
                 return stepped
             finally:

@@ -172,3 +172,34 @@ def test_what_stopped_before_writing_leaves_the_state_whole(tmp_path, monkeypatc
             e.load(tmp_path / "other")
         e.zero_grad()
         train_step(e, 1)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_step_retried_after_an_error_before_writing_steps_as_one_not_stopped(
+    accumulation, tmp_path, monkeypatch
+):
+    """The update raised before it wrote (a collective of the clip norm failed): the step is
+    not counted, so calling engine.step() again takes it with the gradients summed so far."""
+    options = {"optimizer": {**ADAMW, "accumulation_steps": accumulation}}
+    runs = []
+    for fail in (True, False):
+        p = plan(tmp_path, "host").replace(**options)
+        with fxstar.compile(tiny_gpt(), p, **example("gpt", *tokens())) as e:
+            for step in range(2 * accumulation):
+                ids, targets = tokens(seed=step)
+                torch.manual_seed(step)
+                e(ids, targets).backward()
+                boundary = (step + 1) % accumulation == 0
+                if fail and boundary and step == accumulation - 1:
+                    with monkeypatch.context() as patch:
+                        patch.setattr(e.optimizer.norm, "decide", norm_fails)
+                        with pytest.raises(RuntimeError, match="collective failed"):
+                            e.step()
+                assert e.step() == boundary
+            runs.append([e.step_count, *e.state_dict().values()])
+    assert runs[0][0] == runs[1][0] == 2 * accumulation
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1:], runs[1][1:], strict=True))
+
+
+def norm_fails(*args, **kwargs):
+    raise RuntimeError("the norm's collective failed")
