@@ -768,6 +768,7 @@ def initialize(
     init: Callable[[nn.Module], object] | str | None = None,
     elsewhere: Collection[str] = (),
     settled: Callable[[], object] | None = None,
+    progress: bool | None = None,
 ) -> InitReport:
     """Bind `module` (built on the meta device) to `destinations` (see `bind`) and initialise
     it there under `torch.no_grad()`, so the values land in the destinations. Parameters
@@ -785,6 +786,8 @@ def initialize(
     The init runs on every module: a parameter that was already real is initialised too.
     `settled`, if given, runs after each module's init (not inside transformers' one call):
     the destinations' owner may give the pages written back (a disk tier's mapped masters).
+    `progress`: a tqdm bar of the modules on stderr; None shows one on a terminal for
+    parameters of PROGRESS_BYTES or more (transformers' init is one call: no bar).
 
     With the same seed the values equal a CPU construction's only where the construction draws
     random numbers in the same order: true of models whose constructors only run
@@ -816,11 +819,17 @@ def initialize(
                 "of one module, or init='transformers' for a transformers model)"
             )
     meta_buffers = bind(module, destinations, elsewhere)
+    if progress is None:
+        total = sum(p.numel() * p.element_size() for p in module.parameters())
+        progress = total >= PROGRESS_BYTES and sys.stderr.isatty()
+    bar = tqdm(total=len(modules), unit="module", desc="init", leave=False,
+               disable=not progress or init == "transformers")  # fmt: skip
     start = time.perf_counter()
     ran: list[str] = []
-    with torch.no_grad():
+    with torch.no_grad(), bar:
         if init == "reset_parameters":
             for name, mod in modules:
+                bar.update()
                 reset = getattr(mod, "reset_parameters", None)
                 reset = reset if callable(reset) else getattr(mod, "_reset_parameters", None)
                 if callable(reset):
@@ -841,6 +850,7 @@ def initialize(
         else:
             names = {id(m): n for n, m in modules}
             for mod in _children_first(module):
+                bar.update()
                 init(mod)
                 ran.append(names[id(mod)])
                 if settled is not None:

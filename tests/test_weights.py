@@ -583,3 +583,14 @@ def test_peak_host_memory_is_about_one_tensor(tmp_path: Path) -> None:
 
 if __name__ == "__main__":  # python tests/test_weights.py DIR DTYPE...: the figures as JSON
     print(json.dumps(measure(sys.argv[1], sys.argv[2:])))
+
+
+def test_initialize_shows_progress_on_request(capsys) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    dests = {n: torch.empty(p.shape) for n, p in model.named_parameters()}
+    weights.initialize(model, dests)  # small and not a terminal: quiet
+    assert capsys.readouterr().err == ""
+    weights.initialize(model, dests, progress=True)
+    err = capsys.readouterr().err
+    assert "init" in err and "/3 " in err and "module" in err  # the Sequential, two Linears
