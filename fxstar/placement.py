@@ -30,7 +30,7 @@ from fxstar.capture import is_meta
 from fxstar.errors import FxstarError, UsageError
 from fxstar.hf_checkpoint import converted_source
 from fxstar.plan import resolve_device
-from fxstar.runtime.disk_pieces import largest_piece_bytes
+from fxstar.runtime.disk_pieces import host_slot_bytes
 from fxstar.runtime.layout import ChunkPlan, spare_bytes
 from fxstar.sizes import format_size
 from fxstar.topology import Topology
@@ -118,11 +118,11 @@ def host_need(plan: Any, chunk_plan: ChunkPlan, kept: list[int] | None = None
         kept=forecast_kept(plan, chunk_plan) if kept is None else kept,
     )  # fmt: skip
     if adam and plan.disk is not None:  # the disk tier's parts pass through its host slots
-        need += plan.disk.depth * max(
-            (largest_piece_bytes(plan.optimizer.state_dtype, c.used,
-                                 [p.numel for p in c.params], plan.disk.piece,
-                                 masters=masters_on_disk)
-             for c in layout.chunks if c.trainable), default=0)  # fmt: skip
+        need += host_slot_bytes(
+            plan.optimizer.state_dtype,
+            [(c.used, [p.numel for p in c.params]) for c in layout.chunks if c.trainable],
+            plan.disk.piece, plan.disk.depth, masters=masters_on_disk,
+        )  # fmt: skip
     arena = chunk_plan.arena_capacity if torch.device(chunk_plan.device).type == "cpu" else 0
     return need, arena
 

@@ -116,6 +116,19 @@ def largest_piece_bytes(state_dtype: str, used: int, numels: Sequence[int], elem
     return sum(n for part in ranges.values() for _, n in part)
 
 
+def host_slot_bytes(state_dtype: str, chunks: Sequence[tuple[int, Sequence[int]]],
+                    elements: int, depth: int, masters: bool) -> int:  # fmt: skip
+    """The most host memory the disk tier's slots take for these chunks ((used, parameter
+    numels) each): a step's `depth` slots of the largest piece, or a checkpoint's one slot of
+    a chunk's whole moments (DiskMoments), whichever is more."""
+    step = depth * max((largest_piece_bytes(state_dtype, used, numels, elements, masters)
+                        for used, numels in chunks), default=0)  # fmt: skip
+    moments = file_moments(state_dtype)
+    checkpoint = max((aligned_size(moments.nbytes(used, numels)) for used, numels in chunks),
+                     default=0)  # fmt: skip
+    return max(step, checkpoint)
+
+
 class PieceStream:
     """A step's updates of the disk-homed chunks' runs, their pieces streamed in the order the
     runs visit them (the next read and the last written back while this one is updated)."""

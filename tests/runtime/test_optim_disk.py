@@ -27,6 +27,7 @@ from fxstar.errors import DiskIOError
 from fxstar.plan import Plan, PlanError
 from fxstar.runtime import disk_tier, optim
 from fxstar.runtime.disk_io import aligned_size
+from fxstar.runtime.disk_pieces import host_slot_bytes
 from fxstar.runtime.disk_tier import DiskTierError
 
 OPT = {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1, "clip_grad_norm": 0.5}
@@ -449,6 +450,27 @@ def test_a_save_and_a_load_hold_one_chunks_moments_at_a_time(tmp_path):
         with MomentBuffers() as loading:  # into a fresh one, its parts made by the load
             e.load(tmp_path / "ckpt")
         assert 0 < loading.peak <= one_chunk(e)
+
+
+def test_the_host_budget_holds_the_slots_of_a_step_and_of_a_checkpoint(tmp_path):
+    """One slot of a chunk's whole moments (a save, a load) can be more than a step's `depth`
+    slots of a piece: the host budget counts whichever is more, and neither goes past it."""
+    for depth, piece in ((2, 4096), (3, 16384)):  # the checkpoint's slot the more; the step's
+        p = plan(tmp_path / "state", chunk_size=16384, piece=piece)
+        p = p.replace(disk={**p.disk.to_dict(), "depth": depth})
+        with fxstar.compile(tiny_gpt(), p, **example("gpt", *tokens())) as e:
+            train(e, range(1))
+            stepped = e.optimizer.disk.stats.peak_staging_bytes
+            e.save(tmp_path / "ckpt")
+            e.load(tmp_path / "ckpt")
+            held = e.optimizer.disk.stats.peak_staging_bytes
+            layout = e.programs[next(iter(e.programs))].decisions.chunk_plan.layout
+            slots = host_slot_bytes(
+                "fp32", [(c.used, [q.numel for q in c.params]) for c in layout.chunks
+                         if c.trainable], piece, depth, masters=False,
+            )  # fmt: skip
+        assert held <= slots, (depth, stepped, held, slots)
+        assert stepped < held if piece == 4096 else stepped == held, (depth, stepped, held)
 
 
 ROUND_TRIPS = {
