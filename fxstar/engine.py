@@ -20,6 +20,7 @@ fxstar/step_lock.py (a step belongs to one thread); this module is the facade.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Iterator, Mapping
@@ -125,8 +126,9 @@ class Engine(nn.Module):
         self._closed = False
         self._builds_cache = builds_cache(model)
         self.step_lock = StepLock()  # forward and step: one thread at a time, a step its own
-        # a step or load stopped halfway: nothing reads or trains on what it left
-        self.state_guard = StateGuard()
+        # a step or load stopped halfway: nothing reads or trains on what it left (the model
+        # records it too, for a compile of it after this engine is closed)
+        self.state_guard = StateGuard(functools.partial(model_owner.record_half_written, model))
         self._fed: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # compiler.check_model
         # sharded payloads: the chunk plans the ranks agreed on, by id (held: ids stay theirs)
         self._agreed_plans: dict[int, ChunkPlan] = {}

@@ -1,12 +1,17 @@
-"""One chunk or bf16/fp16 engine per model.
+"""One chunk or bf16/fp16 engine per model, and what the last one left in it.
 
 Such an engine rebinds the model's parameters to its own chunk homes, so a second engine over
 the same model would train a copy the first never sees (and the model would show only one of
 them). The model names its engine by a weak reference that copies and pickles leave behind.
+
+An engine whose step stopped halfway refuses to go on (runtime/state_guard.py), but the model
+keeps those values once the engine is closed: the model records it, and compiling it again
+warns by name rather than training on from a half-stepped model without a word.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import TYPE_CHECKING
 
@@ -17,9 +22,10 @@ from fxstar.errors import EngineStateError
 if TYPE_CHECKING:
     from fxstar.engine import Engine
 
-__all__ = ["claim", "owner", "release"]
+__all__ = ["claim", "owner", "release", "record_half_written"]
 
 OWNER = "_fxstar_engine"  # the model's attribute naming the engine that owns its parameters
+HALF_WRITTEN = "_fxstar_half_written"  # what left the model's parameters half written
 
 
 def claim(model: nn.Module, engine: Engine) -> None:
@@ -41,7 +47,24 @@ def claim(model: nn.Module, engine: Engine) -> None:
             "(copy.deepcopy(model)), or close the first engine (engine.close()) before "
             "compiling again."
         )
+    reason = model.__dict__.pop(HALF_WRITTEN, None)
+    if reason is not None:
+        warnings.warn(
+            f"{type(model).__name__}'s parameters were left half written by the engine that "
+            f"trained them: {reason}, so some of them are a step ahead of the others. This "
+            "compile starts from them as they are; to train from a whole state, load a "
+            "checkpoint (engine.load(path)) after it.",
+            stacklevel=4,
+        )
     model.__dict__[OWNER] = _Owner(engine)
+
+
+def record_half_written(model: nn.Module, reason: str | None) -> None:
+    """What left `model`'s parameters half written (None: they are whole again)."""
+    if reason is None:
+        model.__dict__.pop(HALF_WRITTEN, None)
+    else:
+        model.__dict__[HALF_WRITTEN] = reason
 
 
 def owner(model: nn.Module) -> Engine | None:

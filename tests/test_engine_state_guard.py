@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import warnings
 
 import pytest
 import torch
@@ -203,3 +204,29 @@ def test_a_step_retried_after_an_error_before_writing_steps_as_one_not_stopped(
 
 def norm_fails(*args, **kwargs):
     raise RuntimeError("the norm's collective failed")
+
+
+def test_compiling_a_model_a_closed_engine_left_half_written_warns(tmp_path, monkeypatch):
+    """The engine refuses its half-written state; once closed, the model still holds it: a
+    compile of that model says so (a load into the engine made it whole: no warning)."""
+    model = tiny_gpt()
+    with fxstar.compile(model, plan(tmp_path, "host"), **example("gpt", *tokens())) as e:
+        train_step(e, 0)
+        e.save(tmp_path / "ckpt")
+        stop_halfway(monkeypatch, e, "host")
+        with pytest.raises(KeyboardInterrupt):
+            train_step(e, 1)
+        monkeypatch.undo()
+    left = "GPT's parameters were left half written by the engine that trained them: the "
+    with pytest.warns(UserWarning, match=left + "optimizer step 2 stopped halfway"):
+        e = fxstar.compile(model, plan(tmp_path, "host"), **example("gpt", *tokens()))
+    with e:
+        e.load(tmp_path / "ckpt")
+        stop_halfway(monkeypatch, e, "host")
+        with pytest.raises(KeyboardInterrupt):
+            train_step(e, 1)
+        monkeypatch.undo()
+        e.load(tmp_path / "ckpt")  # whole again
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*half written")
+        fxstar.compile(model, plan(tmp_path, "host"), **example("gpt", *tokens())).close()

@@ -10,7 +10,7 @@ engine refuses to read or train on it until a load replaces the whole state.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from fxstar.errors import EngineStateError
 
@@ -20,9 +20,21 @@ __all__ = ["StateGuard"]
 class StateGuard:
     """The one record of a write of the whole training state that did not finish."""
 
-    def __init__(self) -> None:
-        self.stopped: str | None = None  # what stopped halfway, and why; None: whole
+    def __init__(self, on_change: Callable[[str | None], object] | None = None) -> None:
+        self._stopped: str | None = None  # what stopped halfway, and why; None: whole
         self._loads = 0  # loads under way: their own reads of the state are theirs
+        # told each change (the model records it: a later compile of it says so)
+        self._on_change = on_change
+
+    @property
+    def stopped(self) -> str | None:
+        return self._stopped
+
+    @stopped.setter
+    def stopped(self, value: str | None) -> None:
+        self._stopped = value
+        if self._on_change is not None:
+            self._on_change(value)
 
     @contextlib.contextmanager
     def writing(self, what: str, *, replaces: bool = False) -> Iterator[None]:
