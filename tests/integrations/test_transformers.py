@@ -93,19 +93,25 @@ def test_evaluation_runs_the_engine_in_eval_mode(family, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family, precision", [("gpt2", "fp32"), ("llama", "bf16"), ("llama", "fp16")]
+    "family, precision",
+    [("gpt2", "fp32"), ("llama", "bf16"), ("llama", "fp16"), ("llama", "bf16, disk tier")],
 )
 def test_resume_reproduces_the_uninterrupted_run(family, precision, tmp_path):
+    disk = "disk tier" in precision  # the moments and masters in files, saved by streaming
+
     def run(name: str, resume: str | None = None) -> FxstarTrainer:
         args = arguments(tmp_path / name, max_steps=6, save_strategy="steps", save_steps=3,
                          per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          warmup_steps=2)  # fmt: skip
+        plan = PAGED.replace(precision=precision.split(",")[0],
+                             disk=str(tmp_path / f"{name}-state") if disk else None)  # fmt: skip
         trainer = FxstarTrainer(model=make_model(family), args=args, train_dataset=blocks(),
-                                plan=PAGED.replace(precision=precision))  # fmt: skip
+                                plan=plan)  # fmt: skip
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
     whole = run("whole")
+    assert bool(whole.engine.optimizer.on_disk) == disk
     checkpoint = tmp_path / "whole" / "checkpoint-3"
     resumed = run("resumed", resume=str(checkpoint))
 
