@@ -508,16 +508,19 @@ def test_resnet_gives_its_kept_chunks_back_for_larger_images_and_trains_like_eag
     assert f"kept chunks {given} went back to the host tier" in engine.report()
 
 
-def test_bf16_kept_chunks_given_back_train_bitwise_like_the_host_ones():
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk tier"])
+def test_bf16_kept_chunks_given_back_train_bitwise_like_the_host_ones(disk, tmp_path):
     """bf16 (the gradient in the kept payload's room, the fp32 master beside it): an engine
     whose kept chunk goes back for the larger images steps bitwise like one that keeps
     nothing (one chunk size for both: the same layout), BatchNorm statistics included; also
-    when it goes back between two forwards whose one backward reads what the first saved."""
+    when it goes back between two forwards whose one backward reads what the first saved.
+    With the disk tier the chunk given back goes to it, moments and master."""
     budget = 4 * sum(p.numel() * 4 for p in resnet().parameters())
     engines = []
     for hybrid in (True, False):
+        directory = str(tmp_path / "state") if disk and hybrid else None
         plan = Plan(device_memory=budget, precision="bf16", optimizer=OPT, hybrid_adam=hybrid,
-                    chunk_size=12_000)  # fmt: skip
+                    chunk_size=12_000, disk=directory)  # fmt: skip
         engines.append(compile(resnet(), plan, example_kwargs=images(0, 32)))
     kept, host = engines
     given = []
@@ -535,3 +538,8 @@ def test_bf16_kept_chunks_given_back_train_bitwise_like_the_host_ones():
         assert torch.equal(p, q), name
     for (name, b), (_, c) in zip(host.model.named_buffers(), kept.model.named_buffers()):
         assert torch.equal(b, c), name
+    moments = [s.optimizer.state_dict()["state"] for s in (host, kept)]
+    assert all(torch.equal(v, moments[1][i][k]) for i, entry in moments[0].items()
+               for k, v in entry.items() if torch.is_tensor(v))  # fmt: skip
+    if disk:  # the chunk given back streams from the disk tier with the others
+        assert set(given[0]) <= set(kept.optimizer.on_disk)
