@@ -636,8 +636,7 @@ def _materialize(
             todo.append((name, stored, out))
     report = ReadReport(unexpected=unexpected)
     total = sum(src.nbytes(stored) for _, stored, _ in todo)
-    if progress is None:
-        progress = total >= PROGRESS_BYTES and sys.stderr.isatty()
+    progress = _show_progress(progress, total)
     start = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="weights",
               disable=not progress, leave=False) as bar:  # fmt: skip
@@ -819,9 +818,7 @@ def initialize(
                 "of one module, or init='transformers' for a transformers model)"
             )
     meta_buffers = bind(module, destinations, elsewhere)
-    if progress is None:
-        total = sum(p.numel() * p.element_size() for p in module.parameters())
-        progress = total >= PROGRESS_BYTES and sys.stderr.isatty()
+    progress = _show_progress(progress, sum(p.nbytes for p in module.parameters()))
     bar = tqdm(total=len(modules), unit="module", desc="init", leave=False,
                disable=not progress or init == "transformers")  # fmt: skip
     start = time.perf_counter()
@@ -859,6 +856,13 @@ def initialize(
     _check_bound(module, destinations)
     label = init if isinstance(init, str) else getattr(init, "__qualname__", repr(init))
     return InitReport(init=label, modules=ran, meta_buffers=meta_buffers, seconds=seconds)
+
+
+def _show_progress(progress: bool | None, total: int) -> bool:
+    """A progress bar's choice: the caller's, else on a terminal for PROGRESS_BYTES or more."""
+    if progress is not None:
+        return progress
+    return total >= PROGRESS_BYTES and sys.stderr.isatty()
 
 
 def _children_first(module: nn.Module, seen: set[int] | None = None) -> list[nn.Module]:

@@ -373,9 +373,8 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _step_number(self, runs: list) -> int:
         """The number the step about to be taken gives its parameters (their count of updates
-        plus one; every parameter of the model alike)."""
-        steps = [self.state[params[0]].get("step", 0) for params, _, _, _ in runs]
-        return int(max(steps, default=0)) + 1
+        plus one, read off the first run's: the parameters step together)."""
+        return int(self.state[runs[0][0][0]].get("step", 0)) + 1 if runs else 1
 
     def _update(self, runs: list, grads: list[torch.Tensor], grad_scale: float,
                 stream: PieceStream | None) -> set[int]:  # fmt: skip
@@ -709,9 +708,12 @@ class HybridAdam(torch.optim.Optimizer):
             tier = "compute" if chunk.kept else "host" if self.disk is None else "disk"
             length = self.chunks.layout.chunk_size if chunk.kept else chunk.used
             held[tier][0] += self.moments.nbytes(length, numels)
-            held[tier][1] += sum(s.numel for s in chunk.slots
-                                 if id(self.chunks.param(s)) in self._slots)  # fmt: skip
+            held[tier][1] += self._stepped_numel(chunk)
         return {tier: (nbytes, params) for tier, (nbytes, params) in held.items()}
+
+    def _stepped_numel(self, chunk: Chunk) -> int:
+        """The elements of the chunk's parameters this optimizer steps."""
+        return sum(s.numel for s in chunk.slots if id(self.chunks.param(s)) in self._slots)
 
     def _masters_by_tier(self) -> dict[str, int]:
         """The parameters whose fp32 masters each tier holds: a kept chunk's on the compute
@@ -725,9 +727,7 @@ class HybridAdam(torch.optim.Optimizer):
                 tier = "disk"
             else:
                 tier = "host"
-            held[tier] = held.get(tier, 0) + sum(
-                s.numel for s in chunk.slots if id(self.chunks.param(s)) in self._slots
-            )
+            held[tier] = held.get(tier, 0) + self._stepped_numel(chunk)
         return held
 
     def describe_state(self) -> str:
